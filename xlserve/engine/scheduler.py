@@ -1,0 +1,155 @@
+"""Continuous-batching scheduler with one token budget per step.
+
+Each step hands tokens to requests so that ``num_computed_tokens`` catches up with
+``num_tokens``: running requests first (oldest first), then waiting ones, each taking
+what the budget leaves (chunked prefill). When the KV pool runs dry, the newest running
+request is preempted: its blocks are freed and it is recomputed later (prefix hits make
+that cheap). The output is plain data; tensors never cross into the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from xlserve.config import CacheConfig, SchedulerConfig
+from xlserve.engine.kv_cache_manager import KVCacheManager
+from xlserve.engine.request import FinishReason, Request, RequestStatus
+from xlserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the tokens to compute this step
+    start_position: int  # == num_computed_tokens before the step
+    block_ids: list[int]
+    sample: bool  # the chunk reaches the last known token: sample the next one
+    params: SamplingParams
+    seed: int | None
+    prompt_token_ids: list[int] | None = None  # only when penalties need the history
+    output_token_ids: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    finished_request_ids: list[str] = field(default_factory=list)  # since the last step
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.finished_ids: list[str] = []
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted = self._schedule_running(scheduled, budget)
+        budget -= sum(len(s.token_ids) for s in scheduled)
+        if not preempted:
+            self._schedule_waiting(scheduled, budget)
+        finished, self.finished_ids = self.finished_ids, []
+        return SchedulerOutput(scheduled, sum(len(s.token_ids) for s in scheduled), finished)
+
+    def _schedule_running(self, scheduled: list, budget: int) -> bool:
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break
+            scheduled.append(self._scheduled(req, n))
+            budget -= n
+            i += 1
+        return preempted
+
+    def _schedule_waiting(self, scheduled: list, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_hit, budget)
+            if not self.kv.allocate_slots(req, n, hits):
+                break
+            self.kv.record_lookup(req.num_tokens, num_hit)
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(self._scheduled(req, n))
+            budget -= n
+
+    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        penalties = req.params.has_penalties
+        return ScheduledRequest(
+            request_id=req.request_id, token_ids=req.all_token_ids[start:start + n],
+            start_position=start, block_ids=self.kv.block_ids(req.request_id),
+            sample=start + n == req.num_tokens, params=req.params, seed=req.params.seed,
+            prompt_token_ids=req.prompt_token_ids if penalties else None,
+            output_token_ids=list(req.output_token_ids) if penalties else None)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int],
+               logprobs: dict[str, dict]) -> list[Request]:
+        """Advance the scheduled requests; returns those that produced a token."""
+        advanced = []
+        for s in output.scheduled:
+            req = self.requests.get(s.request_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += len(s.token_ids)
+            if not s.sample:
+                continue
+            req.append_token(sampled[s.request_id])
+            if s.request_id in logprobs:
+                req.output_logprobs.append(logprobs[s.request_id])
+            advanced.append(req)
+            if req.check_stop(self.max_model_len):
+                self.finish(req.request_id, req.finish_reason)
+        return advanced
+
+    def finish(self, request_id: str, reason: FinishReason) -> Request | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.finished_ids.append(request_id)
+        return req

@@ -1,0 +1,79 @@
+"""Paged attention over a flat token batch.
+
+The KV cache of one layer is a pair of tensors ``[num_slots, num_kv_heads, head_dim]``
+where slot = block_id * block_size + offset. New keys/values are scattered into their
+slots, then each query attends to its sequence's context gathered through the block
+table. Sequences that add one token (decode) attend as one padded batch; longer
+chunks (prefill, chunked prefill, prefix hits) attend one sequence at a time.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # first row of the chunk in the flat batch
+    end: int
+    context_slots: torch.Tensor | None  # [C] slots of the whole context; None: no cached prefix
+    mask: torch.Tensor | None  # [n, C] bool, None when the chunk is the whole context (causal)
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
+    decode_rows: torch.Tensor | None = None  # [B] rows of one-token sequences
+    decode_slots: torch.Tensor | None = None  # [B, L] context slots, padded
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] True where a slot is real
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+class AttentionBackend(ABC):
+    """Computes attention for one layer. Invariants: writes every new token's K/V to
+    ``slot_mapping`` before reading, and returns one output row per query row."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        ...
+
+
+class TorchSDPABackend(AttentionBackend):
+    def forward(self, q, k, v, kv_cache, meta):
+        k_cache, v_cache = kv_cache
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        if meta.decode_rows is not None:
+            rows = meta.decode_rows
+            qd = q[rows].unsqueeze(2)  # [B, Hq, 1, D]
+            kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
+            vd = v_cache[meta.decode_slots].transpose(1, 2)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
+            out[rows] = od.squeeze(2)
+        for chunk in meta.prefills:
+            qp = q[chunk.start:chunk.end].transpose(0, 1)
+            if chunk.context_slots is None:
+                kp = k[chunk.start:chunk.end].transpose(0, 1)
+                vp = v[chunk.start:chunk.end].transpose(0, 1)
+            else:
+                kp = k_cache[chunk.context_slots].transpose(0, 1)
+                vp = v_cache[chunk.context_slots].transpose(0, 1)
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask,
+                                                is_causal=chunk.mask is None, enable_gqa=True)
+            out[chunk.start:chunk.end] = op.transpose(0, 1)
+        return out
+
+
+ATTENTION_BACKENDS = {"torch_sdpa": TorchSDPABackend}
+
+
+def get_attention_backend(name: str = "torch_sdpa") -> AttentionBackend:
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend {name!r} unknown; available: {sorted(ATTENTION_BACKENDS)}")
+    return ATTENTION_BACKENDS[name]()

@@ -1,0 +1,120 @@
+"""GGUF files: metadata -> Hugging Face style config, tensors -> dequantized weights.
+
+Dequantization uses the ``gguf`` package, so every type it knows is supported.
+llama.cpp stores Llama query/key weights permuted for its rope layout; they are
+permuted back here so the model code sees the Hugging Face layout.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from xlserve.models.registry import GGUF_ARCHITECTURES
+
+TENSOR_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+LAYER_TENSOR_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+class GGUFFile:
+    def __init__(self, path: str):
+        from gguf import GGUFReader
+        self.path = path
+        try:
+            self.reader = GGUFReader(path)
+            self.meta = {k: self._field_value(f) for k, f in self.reader.fields.items()}
+        except Exception as e:  # the reader raises assorted errors on damaged files
+            raise ValueError(f"cannot read GGUF file {path!r} (corrupt or truncated?): {e}") from e
+
+    @staticmethod
+    def _field_value(field):
+        try:
+            return field.contents()
+        except Exception:
+            return None
+
+    def hf_config(self) -> dict:
+        m = self.meta
+        arch = m.get("general.architecture")
+        if arch not in GGUF_ARCHITECTURES:
+            raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: "
+                             f"{', '.join(sorted(GGUF_ARCHITECTURES))}")
+        heads = int(m[f"{arch}.attention.head_count"])
+        hidden = int(m[f"{arch}.embedding_length"])
+        names = {t.name for t in self.reader.tensors}
+        cfg = {
+            "architectures": [GGUF_ARCHITECTURES[arch]],
+            "vocab_size": len(m.get("tokenizer.ggml.tokens") or []) or int(m[f"{arch}.vocab_size"]),
+            "hidden_size": hidden,
+            "intermediate_size": int(m[f"{arch}.feed_forward_length"]),
+            "num_hidden_layers": int(m[f"{arch}.block_count"]),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(m.get(f"{arch}.attention.head_count_kv") or heads),
+            "head_dim": int(m.get(f"{arch}.attention.key_length") or hidden // heads),
+            "rms_norm_eps": float(m[f"{arch}.attention.layer_norm_rms_epsilon"]),
+            "rope_theta": float(m.get(f"{arch}.rope.freq_base") or 10000.0),
+            "max_position_embeddings": int(m.get(f"{arch}.context_length") or 4096),
+            "tie_word_embeddings": "output.weight" not in names,
+            "bos_token_id": m.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": m.get("tokenizer.ggml.eos_token_id"),
+        }
+        return cfg
+
+    def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        from gguf.quants import dequantize
+        cfg = self.hf_config()
+        permute = cfg["architectures"][0] == "LlamaForCausalLM"
+        for t in self.reader.tensors:
+            name = self._hf_name(t.name)
+            try:
+                array = dequantize(t.data, t.tensor_type)
+            except Exception as e:
+                raise ValueError(f"cannot dequantize tensor {t.name} ({t.tensor_type.name}) of "
+                                 f"{self.path!r}: {e}") from e
+            tensor = torch.from_numpy(np.array(array, dtype=np.float32))  # copy: the reader maps read-only
+            if permute and name.endswith(("q_proj.weight", "k_proj.weight")):
+                key = "num_attention_heads" if "q_proj" in name else "num_key_value_heads"
+                tensor = _unpermute_rope(tensor, cfg[key])
+            yield name, tensor.to(dtype)
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.reader.tensors)
+
+    @staticmethod
+    def _hf_name(name: str) -> str:
+        match = _LAYER_RE.match(name)
+        if match:
+            layer, part, kind = match.groups()
+            if part not in LAYER_TENSOR_NAMES:
+                raise ValueError(f"GGUF tensor {name!r} is not understood")
+            return f"model.layers.{layer}.{LAYER_TENSOR_NAMES[part]}.{kind}"
+        base, kind = name.rsplit(".", 1)
+        if base not in TENSOR_NAMES:
+            raise ValueError(f"GGUF tensor {name!r} is not understood")
+        return f"{TENSOR_NAMES[base]}.{kind}"
+
+
+def _unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    out = w.shape[0]
+    return w.reshape(n_head, out // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

@@ -1,0 +1,73 @@
+"""Load a model replica: resolve the source, build the architecture, stream in the weights."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from xlserve.config import ModelConfig
+from xlserve.loader.gguf_file import GGUFFile
+from xlserve.loader.model_source import ModelSource, resolve_model
+from xlserve.loader.safetensors_dir import SafetensorsDir
+from xlserve.loader.tokenizer import Tokenizer, load_gguf_tokenizer, load_hf_tokenizer
+from xlserve.models.arch import ModelArch
+from xlserve.models.registry import build_model, model_class
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    source: ModelSource
+    arch: ModelArch
+    model: torch.nn.Module
+    tokenizer: Tokenizer | None
+    dtype: torch.dtype
+    device: torch.device
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but no CUDA device is available; use cpu or auto")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def load_model(config: ModelConfig) -> LoadedModel:
+    source = resolve_model(config.model)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    if source.kind == "gguf":
+        reader = GGUFFile(source.path)
+        hf_config = reader.hf_config()
+        tokenizer = load_gguf_tokenizer(reader.meta)
+    else:
+        reader = SafetensorsDir(source.path)
+        hf_config = reader.config
+        tokenizer = load_hf_tokenizer(source.path, hf_config)
+    arch = ModelArch.from_hf_config(hf_config)
+    model_class(arch.architecture)  # refuse unsupported architectures before reading weights
+    with torch.device("meta"):
+        model = build_model(arch)
+    model = model.to_empty(device=device).to(dtype)
+    if arch.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    bar = tqdm(reader.weights(dtype), total=reader.num_tensors, desc=f"Loading {source.name}",
+               unit="tensor", leave=False)
+    model.load_weights(bar)
+    model.eval()
+    log.info("loaded %s (%s, %s, %s) on %s", source.name, arch.architecture, source.kind,
+             str(dtype).removeprefix("torch."), device)
+    return LoadedModel(source, arch, model, tokenizer, dtype, device)

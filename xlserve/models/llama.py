@@ -1,0 +1,154 @@
+"""The Llama family decoder (Llama 2/3, SmolLM2, Mistral); Qwen2/Qwen3 reuse it with flags.
+
+A plain ``nn.Module`` over a flat token batch: ``forward(input_ids, positions, meta)``.
+The KV cache is bound once with ``bind_kv_cache``; nothing is global.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from xlserve.layers.attention import AttentionMetadata, get_attention_backend
+from xlserve.layers.linear import MergedLinear, copy_checked
+from xlserve.layers.norm import RMSNorm
+from xlserve.layers.rotary import RotaryEmbedding
+from xlserve.models.arch import ModelArch
+
+# checkpoint projection name -> (fused module name, shard id)
+STACKED_PARAMS = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(arch.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, qkv_bias)
+        self.o_proj = nn.Linear(q_size, arch.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if qk_norm else None
+        self.rotary = rotary
+        self.backend = get_attention_backend()
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.split = (q_size, kv_size, kv_size)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, self.kv_cache, meta)
+        return self.o_proj(out.reshape(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch):
+        super().__init__()
+        size = arch.intermediate_size
+        self.gate_up_proj = MergedLinear(arch.hidden_size, {"gate": size, "up": size}, bias=False)
+        self.down_proj = nn.Linear(size, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch, rotary, qkv_bias, qk_norm)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch)
+
+    def forward(self, positions, x, meta):
+        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, arch: ModelArch, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
+                                 arch.rope_scaling_dict)
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, rotary, qkv_bias, qk_norm)
+                                    for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta):
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, arch: ModelArch):
+        super().__init__()
+        self.arch = arch
+        self.model = DecoderModel(arch, self.qkv_bias or arch.attention_bias, self.qk_norm)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def bind_kv_cache(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for layer, cache in zip(self.model.layers, caches, strict=True):
+            layer.self_attn.kv_cache = cache
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.arch.tie_word_embeddings):
+                continue
+            target, shard = name, None
+            for proj, (fused, shard_id) in STACKED_PARAMS.items():
+                if f".{proj}." in name:
+                    target, shard = name.replace(f".{proj}.", f".{fused}."), shard_id
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {self.arch.architecture}")
+            if shard is None:
+                copy_checked(param, tensor, name)
+            else:
+                self.get_submodule(target.rsplit(".", 1)[0]).load_shard(param, tensor, shard)
+            loaded.add((target, shard))
+        expected = self._expected_loads(params)
+        missing = sorted(f"{t}[{s}]" if s else t for t, s in expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+    def _expected_loads(self, params: dict) -> set:
+        expected = set()
+        for name, param in params.items():
+            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+                continue
+            module = self.get_submodule(name.rsplit(".", 1)[0])
+            shards = module.shard_offsets if isinstance(module, MergedLinear) else {None: None}
+            expected |= {(name, s) for s in shards}
+        return expected

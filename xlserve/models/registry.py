@@ -1,0 +1,30 @@
+"""Model architectures by name (``architectures`` in config.json / ``general.architecture``
+in GGUF), imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+from xlserve.models.arch import ModelArch
+
+MODEL_REGISTRY = {
+    "LlamaForCausalLM": ("xlserve.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("xlserve.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("xlserve.models.qwen", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("xlserve.models.qwen", "Qwen3ForCausalLM"),
+}
+
+# GGUF general.architecture -> Hugging Face architecture name
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def model_class(architecture: str):
+    if architecture not in MODEL_REGISTRY:
+        raise ValueError(f"architecture {architecture!r} is not supported; supported: "
+                         f"{', '.join(sorted(MODEL_REGISTRY))}")
+    module, name = MODEL_REGISTRY[architecture]
+    return getattr(importlib.import_module(module), name)
+
+
+def build_model(arch: ModelArch):
+    return model_class(arch.architecture)(arch)

@@ -1,0 +1,69 @@
+"""Per-request sampling parameters, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives; 0 = only the chosen token
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        self._validate()
+
+    def _validate(self):
+        def bad(what, allowed):
+            raise ValueError(f"{what}; allowed: {allowed}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}", ">= 1")
+        if not 0.0 <= self.temperature <= 100.0:
+            bad(f"temperature must be in [0, 100], got {self.temperature}", "0 (greedy) .. 100")
+        if not 0.0 < self.top_p <= 1.0:
+            bad(f"top_p must be in (0, 1], got {self.top_p}", "0 < top_p <= 1")
+        if self.top_k < -1:
+            bad(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}", "-1, 0 or >= 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad(f"min_p must be in [0, 1], got {self.min_p}", "0 <= min_p <= 1")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                bad(f"{name} must be in [-2, 2], got {getattr(self, name)}", "-2 .. 2")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            bad(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}", "0 < p <= 10")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            bad(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", f"0 .. {MAX_LOGPROBS}")
+        if len(self.stop) > MAX_STOP_STRINGS or any(not isinstance(s, str) or not s for s in self.stop):
+            bad(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}",
+                "a string or a list of non-empty strings")
+        if any(t < 0 for t in self.stop_token_ids):
+            bad(f"stop_token_ids must be non-negative, got {self.stop_token_ids}", "token ids >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
