@@ -18,6 +18,16 @@ class SafetensorsDir:
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"cannot read config.json in {path!r}: {e}") from e
         self.files = self._weight_files()
+        self.num_tensors = sum(self._count(f) for f in self.files)
+
+    @staticmethod
+    def _count(file: str) -> int:
+        from safetensors import SafetensorError, safe_open
+        try:
+            with safe_open(file, "pt") as f:
+                return len(f.keys())
+        except SafetensorError as e:
+            raise ValueError(f"cannot read weights {file!r} (corrupt or truncated?): {e}") from e
 
     def _weight_files(self) -> list[str]:
         index = os.path.join(self.path, "model.safetensors.index.json")
@@ -33,11 +43,6 @@ class SafetensorsDir:
         if missing:
             raise ValueError(f"weight shards listed in the index are missing: {missing}")
         return files
-
-    @property
-    def num_tensors(self) -> int:
-        from safetensors import safe_open
-        return sum(len(safe_open(f, "pt").keys()) for f in self.files)
 
     def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         # safe_open memory-maps the file: tensors are read as they are copied in.

@@ -53,6 +53,11 @@ class ModelArch:
         if "type" in scaling and "rope_type" not in scaling:
             scaling["rope_type"] = scaling.pop("type")
         rope_theta = cfg.get("rope_theta", scaling.pop("rope_theta", 10000.0))
+        max_positions = int(cfg.get("max_position_embeddings", 4096))
+        window = cfg.get("sliding_window")
+        if window and cfg.get("use_sliding_window", True):
+            # Full attention equals sliding-window attention up to the window: serve that far.
+            max_positions = min(max_positions, int(window))
         return cls(
             architecture=archs[0],
             vocab_size=int(cfg["vocab_size"]),
@@ -64,7 +69,7 @@ class ModelArch:
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             rope_scaling=tuple(sorted(scaling.items())),

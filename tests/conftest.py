@@ -1,0 +1,54 @@
+import os
+
+import pytest
+import torch
+
+TINY_COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                   rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
+def _tiny_configs():
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    return {
+        "llama": LlamaConfig(**TINY_COMMON, rope_theta=10000.0),
+        "llama3": LlamaConfig(**{**TINY_COMMON, "tie_word_embeddings": True}, rope_theta=500000.0,
+                              rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        "mistral": MistralConfig(**TINY_COMMON, sliding_window=None),
+        "qwen2": Qwen2Config(**TINY_COMMON, use_sliding_window=False),
+        "qwen3": Qwen3Config(**TINY_COMMON, head_dim=32, use_sliding_window=False),
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory):
+    """Tiny random models of every supported architecture, saved by transformers."""
+    from transformers import AutoModelForCausalLM
+    dirs = {}
+    for name, cfg in _tiny_configs().items():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg)
+        # Random init is small; widen the weights so logits are far from ties.
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.mul_(4.0)
+        path = tmp_path_factory.mktemp(name)
+        model.save_pretrained(path, safe_serialization=True)
+        dirs[name] = str(path)
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_model_dirs):
+    return tiny_model_dirs["llama"]
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "/e2e/" in str(item.fspath):
+            item.add_marker(pytest.mark.e2e)
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
