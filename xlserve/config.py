@@ -93,3 +93,20 @@ class EngineConfig:
         if kwargs:
             raise ValueError(f"unknown engine options: {', '.join(sorted(kwargs))}")
         return cls(**parts)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = _opt("127.0.0.1", "Address to bind. Loopback by default; use 0.0.0.0 only behind a firewall.")
+    port: int = _opt(8000, "TCP port to listen on.")
+    api_key: str = _opt("", "If set, every /v1 request must send 'Authorization: Bearer <key>'.")
+    max_body_bytes: int = _opt(8 * 1024 * 1024, "Largest request body accepted; larger ones get 413.")
+    tool_parser: str = _opt("hermes", "Parser that turns model output into tool_calls.")
+    log_level: str = _opt("info", "Log level: debug, info, warning, error.",
+                          choices=("debug", "info", "warning", "error"))
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")

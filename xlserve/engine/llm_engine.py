@@ -60,10 +60,8 @@ class LLMEngine:
             raise ValueError("the prompt is empty; give at least one token")
         return ids
 
-    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> Request:
-        if request_id in self.scheduler.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        ids = self.tokenize(prompt)
+    def validate_request(self, ids: list[int], params: SamplingParams) -> None:
+        """Refuse what can never run; reads only immutable state, so any thread may call it."""
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is "
                              f"{self.max_model_len} tokens, so a prompt may have at most "
@@ -75,6 +73,12 @@ class LLMEngine:
                              f"tokens of KV cache; the pool holds {capacity}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids")
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> Request:
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenize(prompt)
+        self.validate_request(ids, params)
         request = Request(request_id, ids, params, self.eos_token_ids, self.block_size, self.extra_key)
         self._detokenizers[request_id] = Detokenizer(
             self.tokenizer, params.stop, params.include_stop_str_in_output,

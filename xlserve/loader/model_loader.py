@@ -65,7 +65,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     if arch.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     bar = tqdm(reader.weights(dtype), total=reader.num_tensors, desc=f"Loading {source.name}",
-               unit="tensor", leave=False)
+               unit="tensor", leave=False, disable=None)  # None: only on a terminal
     model.load_weights(bar)
     model.eval()
     log.info("loaded %s (%s, %s, %s) on %s", source.name, arch.architecture, source.kind,

@@ -1,0 +1,54 @@
+"""Start ``xlserve`` as a real subprocess on 127.0.0.1 and wait until it answers."""
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(*args: str, timeout: float = 180.0):
+    port = free_port()
+    cmd = [sys.executable, "-m", "xlserve.cli", "serve", "--port", str(port), *args]
+    log = open(os.devnull, "w") if os.environ.get("XLSERVE_TEST_QUIET") else None
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}: {' '.join(cmd)}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("server did not come up")
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)

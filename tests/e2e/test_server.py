@@ -1,0 +1,201 @@
+"""The OpenAI-compatible server as a real subprocess, driven by the official openai client."""
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.server_process import metric, running_server
+
+API_KEY = "test-key"
+HELLO = [{"role": "user", "content": "Say hello in one short sentence."}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server("--api-key", API_KEY, "--max-num-seqs", "8") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def test_models_lists_the_default_model(model):
+    assert model == "SmolLM2-135M-Instruct"
+
+
+def test_chat_non_streamed(client, model):
+    r = client.chat.completions.create(model=model, messages=HELLO, max_tokens=16, temperature=0)
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens <= 16
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_chat_streamed_equals_non_streamed(client, model):
+    whole = client.chat.completions.create(model=model, messages=HELLO, max_tokens=24, temperature=0)
+    stream = client.chat.completions.create(model=model, messages=HELLO, max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    text, usage, reasons = "", None, []
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            if c.finish_reason:
+                reasons.append(c.finish_reason)
+    assert text == whole.choices[0].message.content
+    assert reasons == [whole.choices[0].finish_reason]
+    assert usage.completion_tokens == whole.usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens > 0  # same prompt as the call before
+
+
+def test_completions_text_and_token_ids(client, model):
+    r = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert r.choices[0].text and r.usage.completion_tokens <= 8
+    ids = client.completions.create(model=model, prompt=[[504, 3575, 282, 4649, 314]], max_tokens=4,
+                                    temperature=0)
+    assert ids.usage.prompt_tokens == 5
+    multi = client.completions.create(model=model, prompt=["One", "Two"], max_tokens=4, temperature=0)
+    assert sorted(c.index for c in multi.choices) == [0, 1]
+
+
+def test_n_choices_and_seed_reproducibility(client, model):
+    kw = dict(model=model, messages=HELLO, max_tokens=16, temperature=1.0, seed=42)
+    a = client.chat.completions.create(n=3, **kw)
+    b = client.chat.completions.create(n=3, **kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    assert len({c.message.content for c in a.choices}) > 1  # each choice draws its own samples
+    one = client.chat.completions.create(n=1, **kw)
+    assert a.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counts once
+
+
+def test_logprobs(client, model):
+    r = client.chat.completions.create(model=model, messages=HELLO, max_tokens=5, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token  # greedy takes the top token
+    c = client.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0, logprobs=2)
+    assert len(c.choices[0].logprobs.token_logprobs) == 3
+
+
+def test_cached_tokens_on_repeated_long_prompt(client, model):
+    system = "You are a careful assistant. " + " ".join(f"Rule {i}: be precise about item {i}." for i in range(60))
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Say OK."}]
+    first = client.chat.completions.create(model=model, messages=msgs, max_tokens=4, temperature=0)
+    second = client.chat.completions.create(model=model, messages=msgs, max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens > 400
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
+    stream = client.chat.completions.create(model=model, messages=msgs, max_tokens=4, temperature=0, stream=True)
+    last = [chunk for chunk in stream][-1]
+    assert last.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
+
+
+def test_client_disconnect_frees_blocks(server):
+    body = {"messages": HELLO, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, headers=headers, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 6:
+                break
+        assert metric(server, "xlserve_kv_blocks_used") > 0
+    deadline = time.monotonic() + 20
+    while metric(server, "xlserve_kv_blocks_used") > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(server, "xlserve_kv_blocks_used") == 0
+    assert metric(server, "xlserve_requests_running") == 0
+
+
+BAD = [
+    ({"messages": HELLO, "max_tokens": -1}, 400),
+    ({"messages": HELLO, "top_p": 1.5}, 400),
+    ({"messages": HELLO, "max_tokens": "8"}, 400),
+    ({"messages": "not a list"}, 400),
+    ({"messages": []}, 400),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, 400),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400),
+    ({"messages": [{"role": "user", "content": "word " * 9000}]}, 400),
+    ({"messages": HELLO, "max_tokens": 100000}, 400),
+    ({"messages": HELLO, "n": 100}, 400),
+    ({"messages": HELLO, "model": "no-such-model"}, 404),
+    ({"messages": HELLO, "logprobs": True, "top_logprobs": 99}, 400),
+]
+
+
+def test_bad_input_gets_status_while_good_stream_completes(server, client, model):
+    result = {}
+
+    def good():
+        stream = client.chat.completions.create(model=model, messages=HELLO, max_tokens=48, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True})
+        result["text"] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        result["done"] = True
+
+    thread = threading.Thread(target=good)
+    thread.start()
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for body, status in BAD:
+        r = httpx.post(f"{server}/v1/chat/completions", json=body, headers=headers, timeout=60)
+        assert r.status_code == status, (body, r.text)
+        err = r.json()["error"]
+        assert err["message"] and err["type"]
+    assert httpx.post(f"{server}/v1/chat/completions", content=b"{not json", headers=headers).status_code == 400
+    big = b'{"messages": [{"role": "user", "content": "' + b"x" * (9 * 1024 * 1024) + b'"}]}'
+    assert httpx.post(f"{server}/v1/chat/completions", content=big, headers=headers).status_code == 413
+    assert httpx.post(f"{server}/v1/chat/completions", json={"messages": HELLO}).status_code == 401
+    assert httpx.post(f"{server}/v1/chat/completions", json={"messages": HELLO},
+                      headers={"Authorization": "Bearer wrong"}).status_code == 401
+    r = httpx.get(f"{server}/v1/nothing-here", headers=headers)
+    assert r.status_code == 404 and r.json()["error"]["type"]
+    thread.join(timeout=120)
+    assert result.get("done") and len(result["text"]) > 0
+    assert metric(server, "xlserve_kv_blocks_used") == 0
+
+
+def test_metrics_exposes_latency_and_tokens(server):
+    text = httpx.get(f"{server}/metrics").text
+    for name in ("xlserve_time_to_first_token_seconds_bucket", "xlserve_inter_token_latency_seconds_bucket",
+                 "xlserve_e2e_request_latency_seconds_bucket", "xlserve_prompt_tokens_total",
+                 "xlserve_cached_prompt_tokens_total", "xlserve_generation_tokens_total",
+                 "xlserve_requests_running", "xlserve_requests_waiting", "xlserve_kv_blocks_used",
+                 "xlserve_prefix_cache_hit_ratio"):
+        assert name in text, name
+    assert metric(server, "xlserve_generation_tokens_total") > 0
+
+
+def test_full_queue_answers_429_with_retry_after():
+    with running_server("--max-num-seqs", "1", "--max-waiting", "1") as url:
+        body = {"messages": HELLO, "max_tokens": 300, "ignore_eos": True, "stream": True}
+        streams, contexts = [], []
+        try:
+            for _ in range(2):
+                ctx = httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60)
+                contexts.append(ctx)
+                streams.append(ctx.__enter__())
+            r = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": False}, timeout=60)
+            assert r.status_code == 429 and r.headers["retry-after"]
+            assert "busy" in r.json()["error"]["message"]
+        finally:
+            for ctx in contexts:
+                ctx.__exit__(None, None, None)
+        deadline = time.monotonic() + 20
+        while metric(url, "xlserve_kv_blocks_used") > 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ok = httpx.post(f"{url}/v1/chat/completions", json={"messages": HELLO, "max_tokens": 4}, timeout=60)
+        assert ok.status_code == 200, ok.text
+        assert json.loads(ok.text)["usage"]["completion_tokens"] > 0

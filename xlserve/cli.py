@@ -1,0 +1,95 @@
+"""Command line: ``xlserve serve | worker | generate``.
+
+Engine and server flags come from the config dataclasses (``xlserve.config``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from xlserve.cli_args import add_config_args, config_from_args
+from xlserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+
+ENGINE_GROUPS = ((ModelConfig, "model"), (CacheConfig, "KV cache"), (SchedulerConfig, "scheduler"))
+
+
+def _engine_config(args) -> EngineConfig:
+    return EngineConfig(*(config_from_args(args, cls) for cls, _ in ENGINE_GROUPS))
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    for cls, title in ENGINE_GROUPS:
+        add_config_args(parser, cls, title)
+
+
+def _setup_logging(level: str = "info") -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+
+
+def cmd_serve(args) -> int:
+    from xlserve.worker.server import run_worker
+    _setup_logging(args.log_level)
+    run_worker(_engine_config(args), config_from_args(args, ServerConfig))
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from xlserve import LLM, SamplingParams
+    _setup_logging("warning")
+    cfg = _engine_config(args)
+    llm = LLM(**{k: v for part in (cfg.model, cfg.cache, cfg.scheduler) for k, v in vars(part).items()})
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    else:
+        out = llm.generate(args.prompt, params)[0]
+    completion = out.outputs[0]
+    if args.json:
+        print(json.dumps({"token_ids": completion.token_ids, "text": completion.text,
+                          "finish_reason": completion.finish_reason, "prompt_tokens": out.num_prompt_tokens,
+                          "cached_tokens": out.cached_tokens}, ensure_ascii=False))
+    else:
+        print(completion.text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="xlserve", description="Serve large language models, "
+                                     "built for agentic traffic. Run 'xlserve COMMAND --help' for the flags.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("serve", "serve the model over an OpenAI-compatible HTTP API (the main job)"),
+                            ("worker", "run one worker: an HTTP server around one engine")):
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        _add_engine_args(p)
+        add_config_args(p, ServerConfig, "server")
+        p.set_defaults(func=cmd_serve)
+    g = sub.add_parser("generate", help="generate text for one prompt and print it",
+                       description="Generate text for one prompt with the offline engine.")
+    g.add_argument("--prompt", required=True, help="prompt text")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    g.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed for reproducible output")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    _add_engine_args(g)
+    g.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"xlserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

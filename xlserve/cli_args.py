@@ -1,0 +1,27 @@
+"""CLI flags generated from the config dataclasses: one flag per field, help from metadata."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls, title: str | None = None) -> None:
+    group = parser.add_argument_group(title or cls.__name__)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        help_text = f.metadata.get("help", "") + f" (default: {f.default!r})"
+        if kind is bool:
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=f.default, help=help_text)
+        else:
+            group.add_argument(flag, dest=f.name, type=kind, default=f.default,
+                               choices=f.metadata.get("choices"), help=help_text)
+
+
+def config_from_args(args: argparse.Namespace, cls):
+    """Build ``cls`` from parsed flags; a ``ValueError`` from validation names the problem."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})

@@ -1,0 +1,131 @@
+"""The worker's HTTP server: OpenAI-compatible API around one engine.
+
+FastAPI on uvicorn: an ASGI stack whose streaming responses notice client disconnects
+(which lets us abort the request and free its KV blocks), with pydantic models for
+validation; both are the de-facto standard of Python model servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from xlserve.config import ServerConfig
+from xlserve.worker.async_engine import EngineBusy, EngineDead
+from xlserve.worker.errors import ApiError, error_body
+from xlserve.worker.protocol import ChatCompletionRequest, CompletionRequest
+from xlserve.worker.serving_chat import ChatHandler
+from xlserve.worker.serving_common import WorkerState
+from xlserve.worker.serving_completion import CompletionHandler
+
+log = logging.getLogger(__name__)
+DISCONNECT_POLL_S = 0.25
+
+
+def _validation_message(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors()[:5]:
+        where = ".".join(str(x) for x in e["loc"]) or "body"
+        parts.append(f"{where}: {e['msg']}")
+    return "; ".join(parts)
+
+
+async def read_json(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body is {declared} bytes; the limit is {limit}")
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit:
+            raise ApiError(413, f"request body exceeds the limit of {limit} bytes")
+    try:
+        return model.model_validate_json(bytes(body))
+    except ValidationError as e:
+        raise ApiError(400, _validation_message(e)) from e
+
+
+async def until_disconnected(request: Request, work):
+    """Run ``work``; cancel it (aborting the generation) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return Response(status_code=499)
+    return JSONResponse(task.result())
+
+
+def build_app(state: WorkerState, config: ServerConfig) -> FastAPI:
+    app = FastAPI(title="xlserve worker", docs_url=None, redoc_url=None)
+    chat, completions = ChatHandler(state, config.tool_parser), CompletionHandler(state)
+
+    def error_response(status: int, message: str, **kw) -> JSONResponse:
+        state.metrics.errors.labels(status=str(status)).inc()
+        headers = {"Retry-After": "1"} if status == 429 else None
+        return JSONResponse(error_body(status, message, **kw), status_code=status, headers=headers)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_, e: ApiError):
+        return error_response(e.status, e.message, param=e.param, code=e.code)
+
+    @app.exception_handler(EngineBusy)
+    async def _busy(_, e: EngineBusy):
+        return error_response(429, f"server busy: {e}; retry later")
+
+    @app.exception_handler(EngineDead)
+    async def _dead(_, e: EngineDead):
+        return error_response(503, f"engine unavailable: {e}")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, e: StarletteHTTPException):
+        return error_response(e.status_code, str(e.detail))
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if config.api_key and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
+                return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                      code="invalid_api_key")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if state.async_engine.dead is not None:
+            return error_response(503, "engine stopped")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "xlserve", "max_model_len": state.max_model_len}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = await read_json(request, ChatCompletionRequest, config.max_body_bytes)
+        if req.stream:
+            return StreamingResponse(await chat.stream(req), media_type="text/event-stream")
+        return await until_disconnected(request, chat.complete(req))
+
+    @app.post("/v1/completions")
+    async def text_completions(request: Request):
+        req = await read_json(request, CompletionRequest, config.max_body_bytes)
+        if req.stream:
+            return StreamingResponse(await completions.stream(req), media_type="text/event-stream")
+        return await until_disconnected(request, completions.complete(req))
+
+    return app

@@ -1,0 +1,84 @@
+"""Pieces the chat and completion handlers share: limits, SSE framing, logprob shapes."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from xlserve.engine.llm_engine import LLMEngine
+from xlserve.loader.tokenizer import Tokenizer
+from xlserve.worker.async_engine import AsyncEngine
+from xlserve.worker.errors import ApiError
+from xlserve.worker.metrics import WorkerMetrics
+
+
+@dataclass
+class WorkerState:
+    engine: LLMEngine
+    async_engine: AsyncEngine
+    metrics: WorkerMetrics
+    model_name: str
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def check_model(self, model: str | None) -> None:
+        if model not in (None, "", self.model_name, "default"):
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                           "model", "model_not_found")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def resolve_max_tokens(state: WorkerState, num_prompt: int, requested: int | None) -> int:
+    room = state.max_model_len - num_prompt
+    if room < 1:
+        raise ApiError(400, f"the prompt has {num_prompt} tokens; this model's context is "
+                            f"{state.max_model_len} tokens, so a prompt may have at most "
+                            f"{state.max_model_len - 1}", "messages", "context_length_exceeded")
+    if requested is None:
+        return room
+    if requested > room:
+        raise ApiError(400, f"max_tokens is {requested} but the prompt has {num_prompt} tokens and the "
+                            f"context is {state.max_model_len}: at most {room} tokens can be generated",
+                       "max_tokens", "context_length_exceeded")
+    return requested
+
+
+def sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+def chat_logprobs(tokenizer: Tokenizer | None, entries: list[dict]) -> dict:
+    def token_info(token_id: int, logprob: float) -> dict:
+        text = tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else str(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    return {"content": [{**token_info(e["token_id"], e["logprob"]),
+                         "top_logprobs": [token_info(t, lp) for t, lp in e["top"]]} for e in entries]}
+
+
+def completion_logprobs(tokenizer: Tokenizer | None, entries: list[dict], offset: int) -> dict:
+    tokens, logprobs, tops, offsets = [], [], [], []
+    for e in entries:
+        text = tokenizer.decode([e["token_id"]], skip_special_tokens=False) if tokenizer else ""
+        tokens.append(text)
+        logprobs.append(e["logprob"])
+        tops.append({(tokenizer.decode([t], skip_special_tokens=False) if tokenizer else str(t)): lp
+                     for t, lp in e["top"]})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}

@@ -1,0 +1,93 @@
+"""POST /v1/completions: text or token-id prompts (one or many), n choices, logprobs, echo."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from xlserve.worker.choices import ChoiceRun, RequestRun, start_choices
+from xlserve.worker.errors import ApiError
+from xlserve.worker.protocol import CompletionRequest
+from xlserve.worker.serving_common import (WorkerState, completion_logprobs, new_id, now,
+                                           resolve_max_tokens, sse)
+
+
+class CompletionHandler:
+    def __init__(self, state: WorkerState):
+        self.state = state
+
+    def prepare(self, req: CompletionRequest) -> RequestRun:
+        self.state.check_model(req.model)
+        choices = []
+        for p_index, prompt in enumerate(req.prompts()):
+            try:
+                ids = self.state.engine.tokenize(prompt)
+                max_tokens = resolve_max_tokens(self.state, len(ids), req.max_tokens)
+                params = [req.sampling_params(max_tokens, req.logprobs, i) for i in range(req.n)]
+            except ValueError as e:
+                raise ApiError(400, str(e), "prompt") from e
+            choices += [ChoiceRun(p_index * req.n + i, ids, p, primary=(i == 0)) for i, p in enumerate(params)]
+        return RequestRun(new_id("cmpl"), choices)
+
+    def _echo(self, req: CompletionRequest, choice: ChoiceRun) -> str:
+        if not req.echo or self.state.tokenizer is None:
+            return ""
+        return self.state.tokenizer.decode(choice.prompt_ids)
+
+    async def complete(self, req: CompletionRequest) -> dict:
+        run = self.prepare(req)
+        async for _ in start_choices(self.state.async_engine, run, self.state.metrics):
+            pass
+        choices = []
+        for c in run.choices:
+            out = c.final.outputs[0]
+            prefix = self._echo(req, c)
+            logprobs = (completion_logprobs(self.state.tokenizer, out.logprobs, len(prefix))
+                        if req.logprobs is not None else None)
+            choices.append({"index": c.index, "text": prefix + out.text, "logprobs": logprobs,
+                            "finish_reason": out.finish_reason})
+        return {"id": run.request_id, "object": "text_completion", "created": now(),
+                "model": self.state.model_name, "choices": choices, "usage": run.usage()}
+
+    async def stream(self, req: CompletionRequest) -> AsyncIterator[str]:
+        run = self.prepare(req)
+        events = start_choices(self.state.async_engine, run, self.state.metrics)
+        return self._sse(run, req, events)
+
+    async def _sse(self, run: RequestRun, req: CompletionRequest, events) -> AsyncIterator[str]:
+        created, model = now(), self.state.model_name
+        finished = 0
+        offsets = {c.index: 0 for c in run.choices}
+
+        def chunk(choices: list, usage: dict | None = None) -> str:
+            body = {"id": run.request_id, "object": "text_completion", "created": created,
+                    "model": model, "choices": choices}
+            if usage is not None:
+                body["usage"] = usage
+            return sse(body)
+
+        try:
+            for c in run.choices:
+                if self._echo(req, c):
+                    text = self._echo(req, c)
+                    offsets[c.index] = len(text)
+                    yield chunk([{"index": c.index, "text": text, "logprobs": None, "finish_reason": None}])
+            async for choice, out in events:
+                logprobs = None
+                if req.logprobs is not None and out.outputs[0].logprobs:
+                    logprobs = completion_logprobs(self.state.tokenizer, out.outputs[0].logprobs[-1:],
+                                                   offsets[choice.index])
+                offsets[choice.index] += len(out.new_text)
+                finished += out.finished
+                last = out.finished and finished == len(run.choices) and not req.include_usage
+                yield chunk([{"index": choice.index, "text": out.new_text, "logprobs": logprobs,
+                              "finish_reason": out.outputs[0].finish_reason if out.finished else None}],
+                            run.usage() if last else None)
+            if req.include_usage:
+                yield chunk([], run.usage())
+        except ApiError as e:
+            yield sse(e.body())
+        except Exception as e:  # noqa: BLE001 - the stream must end with an error event, not hang
+            yield sse(ApiError(500, f"generation failed: {e}").body())
+        finally:
+            await events.aclose()
+        yield sse("[DONE]")
