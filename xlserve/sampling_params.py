@@ -6,6 +6,22 @@ from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+GUIDED_KINDS = ("json_schema", "lark", "regex")
+MAX_GRAMMAR_CHARS = 64 * 1024
+
+
+@dataclass(frozen=True)
+class GuidedSpec:
+    """A constraint on the output: a JSON schema (as JSON text), a Lark grammar or a regex."""
+    kind: str
+    spec: str
+
+    def __post_init__(self):
+        if self.kind not in GUIDED_KINDS:
+            raise ValueError(f"guided decoding kind {self.kind!r} is unknown; allowed: {', '.join(GUIDED_KINDS)}")
+        if not isinstance(self.spec, str) or not self.spec or len(self.spec) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"a {self.kind} constraint must be non-empty text of at most "
+                             f"{MAX_GRAMMAR_CHARS} characters")
 
 
 @dataclass(frozen=True)
@@ -25,6 +41,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives; 0 = only the chosen token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    guided: GuidedSpec | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):

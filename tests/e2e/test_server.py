@@ -199,3 +199,76 @@ def test_full_queue_answers_429_with_retry_after():
         ok = httpx.post(f"{url}/v1/chat/completions", json={"messages": HELLO, "max_tokens": 4}, timeout=60)
         assert ok.status_code == 200, ok.text
         assert json.loads(ok.text)["usage"]["completion_tokens"] > 0
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_tool_call_parsed_non_streamed(client, model, tool_choice):
+    r = client.chat.completions.create(model=model, messages=WEATHER_Q, tools=[WEATHER_TOOL],
+                                       tool_choice=tool_choice, max_tokens=80, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
+
+
+def test_tool_call_streamed_as_deltas(client, model):
+    stream = client.chat.completions.create(model=model, messages=WEATHER_Q, tools=[WEATHER_TOOL],
+                                            tool_choice="required", max_tokens=80, temperature=0, stream=True)
+    calls, reasons, content = [], [], ""
+    for chunk in stream:
+        for c in chunk.choices:
+            calls += c.delta.tool_calls or []
+            content += c.delta.content or ""
+            if c.finish_reason:
+                reasons.append(c.finish_reason)
+    assert reasons == ["tool_calls"] and content == ""
+    assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "get_weather"
+    assert "city" in json.loads(calls[0].function.arguments)
+
+
+def test_tool_results_round_trip_and_auto_choice(client, model):
+    msgs = WEATHER_Q + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"}]
+    r = client.chat.completions.create(model=model, messages=msgs, tools=[WEATHER_TOOL], max_tokens=30,
+                                       temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert r.choices[0].message.content or r.choices[0].message.tool_calls
+
+
+def test_json_object_response_format(client, model):
+    r = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Describe a cat as JSON with keys name and age."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "cat", "schema": {
+            "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+            "required": ["name", "age"], "additionalProperties": False}}},
+        max_tokens=60, temperature=0)
+    data = json.loads(r.choices[0].message.content)
+    assert set(data) == {"name", "age"} and isinstance(data["age"], int)
+    free = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "A JSON object."}],
+                                          response_format={"type": "json_object"}, max_tokens=40,
+                                          temperature=0)
+    assert free.choices[0].message.content.lstrip().startswith("{")
+
+
+def test_bad_tool_requests(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    cases = [
+        {"messages": WEATHER_Q, "tools": [WEATHER_TOOL],
+         "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        {"messages": WEATHER_Q, "tool_choice": "required"},
+        {"messages": WEATHER_Q, "tools": [{"type": "function"}]},
+        {"messages": WEATHER_Q, "response_format": {"type": "json_schema",
+                                                    "json_schema": {"schema": {"type": "no-such-type"}}}},
+    ]
+    for body in cases:
+        r = httpx.post(f"{server}/v1/chat/completions", json=body, headers=headers, timeout=60)
+        assert r.status_code == 400, (body, r.text)

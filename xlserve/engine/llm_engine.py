@@ -14,6 +14,7 @@ from typing import Sequence
 
 from xlserve.config import EngineConfig
 from xlserve.engine.detokenizer import Detokenizer
+from xlserve.engine.guided import GuidedDecoding
 from xlserve.engine.model_runner import ModelRunner
 from xlserve.engine.outputs import CompletionOutput, RequestOutput
 from xlserve.engine.request import FinishReason, Request
@@ -35,7 +36,8 @@ class LLMEngine:
         self.block_size = config.cache.block_size
         self.num_blocks = config.cache.total_blocks
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.max_model_len)
-        self.runner = ModelRunner(self.loaded, self.num_blocks, self.block_size)
+        self.guided = GuidedDecoding(self.tokenizer, arch.vocab_size) if self.tokenizer else None
+        self.runner = ModelRunner(self.loaded, self.num_blocks, self.block_size, self.guided)
         # Anything that changes the KV of a token sequence goes into the block hash.
         self.extra_key = hashlib.blake2b(
             f"{self.loaded.source.path}|{self.loaded.dtype}".encode(), digest_size=8).digest()
@@ -71,8 +73,10 @@ class LLMEngine:
         if need > capacity:
             raise ValueError(f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) needs {need} "
                              f"tokens of KV cache; the pool holds {capacity}")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; use stop_token_ids")
+        if (params.stop or params.guided) and self.tokenizer is None:
+            raise ValueError("stop strings and guided decoding need a tokenizer; this model has none")
+        if params.guided is not None:
+            self.guided.validate(params.guided)
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> Request:
         if request_id in self.scheduler.requests:

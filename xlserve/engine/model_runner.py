@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from xlserve.engine.guided import GuidedDecoding
 from xlserve.engine.sampler import Sampler
 from xlserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from xlserve.layers.attention import AttentionMetadata, PrefillChunk
@@ -23,7 +24,8 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int):
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
+                 guided: GuidedDecoding | None = None):
         self.model = loaded.model
         self.device = loaded.device
         self.block_size = block_size
@@ -39,6 +41,8 @@ class ModelRunner:
             torch.empty((), dtype=loaded.dtype).element_size()
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
+        self.guided = guided
+        self.matchers: dict[str, object] = {}  # request id -> grammar matcher
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)
@@ -79,6 +83,7 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         for request_id in output.finished_request_ids:
             self.generators.pop(request_id, None)
+            self.matchers.pop(request_id, None)
         if not output.scheduled:
             return RunnerOutput()
         ids, positions, last_rows = [], [], []
@@ -100,15 +105,27 @@ class ModelRunner:
         out = RunnerOutput()
         greedy = logits.argmax(-1).tolist()
         for i, s in enumerate(requests):
-            if s.params.greedy and not s.params.has_penalties:
+            row, matcher = logits[i], None
+            if s.params.guided is not None:
+                matcher = self._matcher(s)
+                row = row.masked_fill(~self.guided.allowed(matcher).to(row.device), float("-inf"))
+            if s.params.greedy and not s.params.has_penalties and matcher is None:
                 token = greedy[i]
             else:
-                token = self.sampler.sample_row(logits[i], s.params, self._generator(s),
+                token = self.sampler.sample_row(row, s.params, self._generator(s),
                                                 s.prompt_token_ids, s.output_token_ids)
+            if matcher is not None:
+                matcher.consume_token(token)
             out.sampled[s.request_id] = token
             if s.params.logprobs is not None:
                 out.logprobs[s.request_id] = self.sampler.logprobs(logits[i], token, s.params.logprobs)
         return out
+
+    def _matcher(self, s: ScheduledRequest):
+        matcher = self.matchers.get(s.request_id)
+        if matcher is None:
+            matcher = self.matchers[s.request_id] = self.guided.matcher(s.params.guided)
+        return matcher
 
     def _generator(self, s: ScheduledRequest) -> torch.Generator:
         gen = self.generators.get(s.request_id)

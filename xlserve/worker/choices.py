@@ -15,6 +15,7 @@ from typing import AsyncIterator
 from xlserve.engine.outputs import RequestOutput
 from xlserve.sampling_params import SamplingParams
 from xlserve.worker.async_engine import AsyncEngine
+from xlserve.worker.errors import ApiError
 from xlserve.worker.metrics import WorkerMetrics
 
 log = logging.getLogger("xlserve.requests")
@@ -60,9 +61,11 @@ def start_choices(engine: AsyncEngine, run: RequestRun,
     try:
         for c in run.choices:
             streams.append(engine.submit(f"{run.request_id}-{c.index}", c.prompt_ids, c.params))
-    except BaseException:
+    except BaseException as e:
         for stream in streams:
             stream.close()
+        if isinstance(e, ValueError):
+            raise ApiError(400, str(e)) from e
         raise
     return _merge(run, list(zip(run.choices, streams)), metrics)
 

@@ -6,11 +6,12 @@ Unknown fields are ignored, as OpenAI-compatible servers do; wrong types are ref
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from xlserve.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
+from xlserve.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, GuidedSpec, SamplingParams
 
 MAX_N = 16
 MAX_MESSAGES = 2048
@@ -79,8 +80,23 @@ class NamedToolChoice(Strict):
     function: dict[str, str]
 
 
+class JsonSchemaFormat(Strict):
+    name: str = "response"
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(Strict):
-    type: Literal["text", "json_object"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def guided(self) -> GuidedSpec | None:
+        if self.type == "json_object":
+            return GuidedSpec("json_schema", '{"type": "object"}')
+        if self.type == "json_schema":
+            schema = self.json_schema.schema_ if self.json_schema else {"type": "object"}
+            return GuidedSpec("json_schema", json.dumps(schema))
+        return None
 
 
 class StreamOptions(Strict):
@@ -112,7 +128,8 @@ class SamplingFields(Strict):
             raise ValueError(f"stop allows at most {MAX_STOP_STRINGS} strings of at most 256 characters")
         return value
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, seed_offset: int = 0) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, seed_offset: int = 0,
+                        guided: GuidedSpec | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens,
@@ -124,7 +141,7 @@ class SamplingFields(Strict):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=self.repetition_penalty or 1.0,
             stop=tuple(s for s in stop if s), stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos, logprobs=logprobs)
+            ignore_eos=self.ignore_eos, logprobs=logprobs, guided=guided)
 
     @property
     def include_usage(self) -> bool:
@@ -139,7 +156,16 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # Forced calls are single unless parallel calls are asked for explicitly: small models
+    # otherwise repeat the call until max_tokens.
+    parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+
+    def forced_tool(self) -> tuple[bool, str | None]:
+        """(a tool call is required, the function it must call or None for any)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return True, self.tool_choice.function.get("name")
+        return self.tool_choice == "required", None
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -30,11 +30,21 @@ class ChatHandler:
             raise ApiError(400, str(e), "messages") from e
         max_tokens = resolve_max_tokens(state, len(ids), req.requested_max_tokens())
         try:
-            params = [req.sampling_params(max_tokens, req.num_logprobs(), i) for i in range(req.n)]
+            guided = self._guided(req, use_tools)
+            params = [req.sampling_params(max_tokens, req.num_logprobs(), i, guided) for i in range(req.n)]
         except ValueError as e:
             raise ApiError(400, str(e)) from e
         choices = [ChoiceRun(i, ids, p, primary=(i == 0)) for i, p in enumerate(params)]
         return RequestRun(new_id("chatcmpl"), choices), use_tools
+
+    def _guided(self, req: ChatCompletionRequest, use_tools: bool):
+        required, name = req.forced_tool()
+        if use_tools and required:
+            tools = [t.model_dump(exclude_none=True) for t in req.tools]
+            return get_tool_parser(self.tool_parser).forced_call_grammar(tools, name, bool(req.parallel_tool_calls))
+        if required:
+            raise ValueError("tool_choice requires a tool call but no tools were given")
+        return req.response_format.guided() if req.response_format else None
 
     async def complete(self, req: ChatCompletionRequest) -> dict:
         run, use_tools = self.prepare(req)

@@ -13,6 +13,8 @@ import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from xlserve.sampling_params import GuidedSpec
+
 
 @dataclass
 class ParsedToolCall:
@@ -43,6 +45,11 @@ class ToolParser(ABC):
     def feed(self, delta: str, final: bool = False) -> StreamDelta:
         """Streamed output, piece by piece; ``final`` flushes what is held back."""
 
+    @abstractmethod
+    def forced_call_grammar(self, tools: list[dict], name: str | None, parallel: bool) -> GuidedSpec:
+        """A constraint that makes the model call a tool (``name``, or any of ``tools``);
+        ``parallel`` allows several calls in a row."""
+
 
 class HermesToolParser(ToolParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Hermes, Qwen, many others)."""
@@ -70,6 +77,20 @@ class HermesToolParser(ToolParser):
                 return None
             return ParsedToolCall(obj["name"], args)
         return ParsedToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+    def forced_call_grammar(self, tools, name, parallel):
+        chosen = [t for t in tools if name is None or t["function"]["name"] == name]
+        if not chosen:
+            raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+        calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                  "properties": {"name": {"const": t["function"]["name"]},
+                                 "arguments": t["function"].get("parameters") or {"type": "object"}}}
+                 for t in chosen]
+        schema = json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls})
+        block = '"<tool_call>\\n" call "\\n</tool_call>"'
+        more = f' ("\\n" {block})*' if parallel else ""
+        lark = f"start: {block}{more}\ncall: %json {schema}\n"
+        return GuidedSpec("lark", lark)
 
     def parse(self, text):
         if self.OPEN not in text:

@@ -1,0 +1,69 @@
+"""Guided decoding: masks that keep a request's output inside a grammar.
+
+Built on llguidance (the Rust engine behind several serving stacks' structured output):
+it compiles JSON schemas, Lark grammars and regexes against our own tokenizer JSON,
+with no dependency on transformers, and computes a vocabulary bitmask in microseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import torch
+
+from xlserve.loader.tokenizer import Tokenizer
+from xlserve.sampling_params import GuidedSpec
+
+
+class GuidedDecoding:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._lltok = None
+        self._lock = threading.Lock()  # the tokenizer is built once, from any thread
+        self._bits = torch.arange(32, dtype=torch.int32)
+
+    def _ll_tokenizer(self):
+        with self._lock:
+            if self._lltok is None:
+                import llguidance
+                eos = min(self.tokenizer.eos_token_ids) if self.tokenizer.eos_token_ids else None
+                self._lltok = llguidance.LLTokenizer(self.tokenizer.backend.to_str(),
+                                                     n_vocab=self.vocab_size, eos_token=eos)
+            return self._lltok
+
+    @staticmethod
+    def grammar(spec: GuidedSpec) -> str:
+        from llguidance import LLMatcher
+        if spec.kind == "json_schema":
+            try:
+                schema = json.loads(spec.spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"the JSON schema is not valid JSON: {e}") from e
+            return LLMatcher.grammar_from_json_schema(schema)
+        if spec.kind == "lark":
+            return LLMatcher.grammar_from_lark(spec.spec)
+        return LLMatcher.grammar_from_regex(spec.spec)
+
+    def validate(self, spec: GuidedSpec) -> None:
+        from llguidance import LLMatcher
+        try:
+            grammar = self.grammar(spec)
+            is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self._ll_tokenizer())
+        except ValueError:
+            raise
+        except Exception as e:  # the compiler reports bad grammars with its own exception types
+            raise ValueError(f"the {spec.kind} constraint does not compile: {e}") from e
+        if is_error:
+            raise ValueError(f"the {spec.kind} constraint does not compile: {'; '.join(messages)}")
+
+    def matcher(self, spec: GuidedSpec):
+        from llguidance import LLMatcher
+        return LLMatcher(self._ll_tokenizer(), self.grammar(spec))
+
+    def allowed(self, matcher) -> torch.Tensor:
+        """Boolean [vocab_size] mask of the tokens the grammar accepts next."""
+        words = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
+        bits = (words.unsqueeze(1) >> self._bits) & 1
+        return bits.reshape(-1)[: self.vocab_size].bool()
