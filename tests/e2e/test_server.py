@@ -121,6 +121,18 @@ def test_client_disconnect_frees_blocks(server):
     assert metric(server, "xlserve_requests_running") == 0
 
 
+def test_non_streamed_client_disconnect_aborts(server):
+    body = {"messages": HELLO, "max_tokens": 600, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/chat/completions", json=body, headers=headers, timeout=1.5)
+    deadline = time.monotonic() + 20
+    while metric(server, "xlserve_kv_blocks_used") > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(server, "xlserve_kv_blocks_used") == 0
+    assert metric(server, "xlserve_requests_running") == 0
+
+
 BAD = [
     ({"messages": HELLO, "max_tokens": -1}, 400),
     ({"messages": HELLO, "top_p": 1.5}, 400),

@@ -127,3 +127,40 @@ def test_gguf_matches_safetensors_of_the_same_weights(tiny_llama_dir, tmp_path, 
         assert same >= 8
     else:
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_sharded_hf_dir_with_tokenizer_files(tmp_path):
+    """A Hugging Face directory: sharded safetensors + index, tokenizer.json and
+    tokenizer_config.json with a chat template; loads and matches the single-file model."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from xlserve.loader.model_source import default_model_path
+    from xlserve.loader.tokenizer import load_gguf_tokenizer
+    gguf_tok = load_gguf_tokenizer(GGUFFile(default_model_path()).meta)
+    cfg = LlamaConfig(vocab_size=gguf_tok.vocab_size, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, eos_token_id=2, bos_token_id=1)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path, safe_serialization=True, max_shard_size="1MB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    gguf_tok.backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": gguf_tok.chat_template.source, "eos_token": "<|im_end|>", "bos_token": None}))
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_tokens=512)
+    tok = llm.tokenizer
+    text = "Hello world, naïve café 12345"
+    assert tok.encode(text) == gguf_tok.encode(text)
+    chat = [{"role": "user", "content": "hi"}]
+    assert tok.encode_chat(chat) == gguf_tok.encode_chat(chat)
+    assert tok.eos_token_ids == {2}
+    out = llm.chat(chat, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 5
+
+
+def test_bfloat16_matches_float32_greedy_mostly(tiny_llama_dir):
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompt = list(range(20, 50))
+    a = LLM(tiny_llama_dir, dtype="float32", kv_cache_tokens=512).generate(prompt, params)[0]
+    b = LLM(tiny_llama_dir, dtype="bfloat16", kv_cache_tokens=512).generate(prompt, params)[0]
+    assert a.outputs[0].token_ids[:2] == b.outputs[0].token_ids[:2]

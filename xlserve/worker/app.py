@@ -12,7 +12,7 @@ import hmac
 import logging
 import time
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
@@ -90,14 +90,16 @@ def build_app(state: WorkerState, config: ServerConfig) -> FastAPI:
     async def _http(_, e: StarletteHTTPException):
         return error_response(e.status_code, str(e.detail))
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if config.api_key and request.url.path.startswith("/v1/"):
+    # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware hides client
+    # disconnects from the endpoint, and we abort generations on disconnect.
+    async def check_api_key(request: Request):
+        if config.api_key:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
-                return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                      code="invalid_api_key")
-        return await call_next(request)
+                raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+
+    api = [Depends(check_api_key)]
 
     @app.get("/health")
     async def health():
@@ -109,19 +111,19 @@ def build_app(state: WorkerState, config: ServerConfig) -> FastAPI:
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=api)
     async def models():
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "xlserve", "max_model_len": state.max_model_len}]}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=api)
     async def chat_completions(request: Request):
         req = await read_json(request, ChatCompletionRequest, config.max_body_bytes)
         if req.stream:
             return StreamingResponse(await chat.stream(req), media_type="text/event-stream")
         return await until_disconnected(request, chat.complete(req))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=api)
     async def text_completions(request: Request):
         req = await read_json(request, CompletionRequest, config.max_body_bytes)
         if req.stream:
