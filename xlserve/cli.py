@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     _add_engine_args(g)
     g.set_defaults(func=cmd_generate)
+    from xlserve.bench.cli import add_bench_parser
+    add_bench_parser(sub)
     return parser
 
 

@@ -10,6 +10,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from xlserve.kernels.cpu_gemv import gemv_bf16, use_gemv
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias``; few-row bf16 CPU matmuls (decode) take the bandwidth kernel."""
+    if use_gemv(x, weight):
+        return gemv_bf16(x, weight, bias)
+    return nn.functional.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
 
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
     if tuple(param.shape) != tuple(loaded.shape):
@@ -38,4 +52,4 @@ class MergedLinear(nn.Module):
         copy_checked(param.data.narrow(0, start, size), loaded, f"shard {shard}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)

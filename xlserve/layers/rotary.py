@@ -42,10 +42,13 @@ class RotaryEmbedding(nn.Module):
         half = x.shape[-1] // 2
         return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hkv, D]; positions: [T]."""
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-token tables, gathered once per forward and shared by every layer."""
         if self.cos.device != positions.device:
             self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
+        """q: [T, Hq, D], k: [T, Hkv, D]; cos_sin from ``cos_sin(positions)``."""
+        cos, sin = cos_sin
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from xlserve.layers.attention import AttentionMetadata, get_attention_backend
-from xlserve.layers.linear import MergedLinear, copy_checked
+from xlserve.layers.linear import Linear, MergedLinear, copy_checked
 from xlserve.layers.norm import RMSNorm
 from xlserve.layers.rotary import RotaryEmbedding
 from xlserve.models.arch import ModelArch
@@ -33,7 +33,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(arch.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, qkv_bias)
-        self.o_proj = nn.Linear(q_size, arch.hidden_size, bias=False)
+        self.o_proj = Linear(q_size, arch.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
@@ -41,7 +41,7 @@ class Attention(nn.Module):
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.split = (q_size, kv_size, kv_size)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, cos_sin, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
@@ -49,7 +49,7 @@ class Attention(nn.Module):
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(cos_sin, q, k)
         out = self.backend.forward(q, k, v, self.kv_cache, meta)
         return self.o_proj(out.reshape(n, -1))
 
@@ -59,7 +59,7 @@ class MLP(nn.Module):
         super().__init__()
         size = arch.intermediate_size
         self.gate_up_proj = MergedLinear(arch.hidden_size, {"gate": size, "up": size}, bias=False)
-        self.down_proj = nn.Linear(size, arch.hidden_size, bias=False)
+        self.down_proj = Linear(size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -74,15 +74,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
 
-    def forward(self, positions, x, meta):
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+    def forward(self, cos_sin, x, meta):
+        x = x + self.self_attn(cos_sin, self.input_layernorm(x), meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DecoderModel(nn.Module):
     def __init__(self, arch: ModelArch, qkv_bias: bool, qk_norm: bool):
         super().__init__()
-        rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
+        self.rotary = rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
                                  arch.rope_scaling_dict)
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, rotary, qkv_bias, qk_norm)
@@ -91,8 +91,9 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions, x.dtype)
         for layer in self.layers:
-            x = layer(positions, x, meta)
+            x = layer(cos_sin, x, meta)
         return self.norm(x)
 
 
@@ -104,7 +105,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.model = DecoderModel(arch, self.qkv_bias or arch.attention_bias, self.qk_norm)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -1,0 +1,49 @@
+"""``xlserve bench engine`` wiring: flags, progress, table, JSON, PNG."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks: xlserve beside its peers in one run")
+    kinds = bench.add_subparsers(dest="bench_kind", required=True)
+    e = kinds.add_parser("engine", help="engine speed and memory vs llama.cpp and transformers",
+                         description="Runs xlserve and its peers (llama.cpp via llama-cpp-python, transformers) "
+                                     "on the same BF16 weights, token ids and threads, one process each.")
+    e.add_argument("--model", default="default", help="GGUF model (default: the bundled SmolLM2-135M)")
+    e.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="xlserve dtype")
+    e.add_argument("--threads", type=int, default=2, help="threads for every system")
+    e.add_argument("--systems", default="xlserve,llama.cpp,transformers", help="comma-separated systems to run")
+    e.add_argument("--out", default="bench-engine.json", help="where to write the JSON results")
+    e.add_argument("--png", default="", help="also write a bar chart here")
+    e.add_argument("--budget", type=int, default=2048, help="xlserve token budget per step")
+    e.set_defaults(func=cmd_bench_engine)
+
+
+def cmd_bench_engine(args) -> int:
+    from xlserve.bench.engine_bench import BenchOptions, run_bench
+    from xlserve.bench.report import engine_goals, engine_png, engine_table, goals_table
+    opts = BenchOptions(model=args.model, dtype=args.dtype, threads=args.threads,
+                        systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()),
+                        out=args.out, png=args.png, budget=args.budget)
+    results = run_bench(opts)
+    results["goals"] = engine_goals(results) if "xlserve" in results["systems"] else []
+    with open(opts.out, "w") as f:
+        json.dump(results, f, indent=2)
+    print(engine_table(results))
+    print()
+    print(f"weight file read: {results['weight_file_read_s']:.2f} s ({results['bf16_gguf']})")
+    for system, why in results["skipped"].items():
+        print(f"skipped {system}: {why}")
+    for system, r in results["systems"].items():
+        if "error" in r:
+            print(f"{system} failed: {r['error']}")
+    if results["goals"]:
+        print()
+        print(goals_table(results["goals"]))
+    if opts.png:
+        engine_png(results, opts.png)
+        print(f"chart: {opts.png}")
+    return 0

@@ -1,0 +1,126 @@
+"""``xlserve bench engine``: xlserve, llama.cpp and transformers on the same weights,
+token ids and thread count, one process each, in one run; a table of figures and ratios,
+a JSON file and optionally a PNG chart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from tqdm.auto import tqdm
+
+SYSTEMS = ("xlserve", "llama.cpp", "transformers")
+PEER_MODULES = {"llama.cpp": "llama_cpp", "transformers": "transformers"}
+ROWS = [  # key, label, higher is better
+    ("decode_b1_tok_s", "decode tok/s, batch 1", True),
+    ("prefill_1000_tok_s", "prefill tok/s, 1,000 tokens", True),
+    ("prefill_4000_tok_s", "prefill tok/s, 4,000 tokens", True),
+    ("decode_b8_tok_s", "aggregate decode tok/s, 8 seqs", True),
+    ("decode_b32_tok_s", "aggregate decode tok/s, 32 seqs", True),
+    ("ttft_uncached_s", "TTFT 4,000 tokens uncached, s", False),
+    ("ttft_cached_s", "TTFT 4,000 tokens, 3,900 cached, s", False),
+    ("peak_rss_mib", "peak RSS, MiB", False),
+    ("overhead_pct", "memory overhead, % of weights + KV", False),
+    ("cold_start_s", "cold start to first token, s", False),
+]
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    model: str = "default"
+    dtype: str = "bfloat16"
+    threads: int = 2
+    systems: tuple[str, ...] = SYSTEMS
+    out: str = "bench-engine.json"
+    png: str = ""
+    kv_tokens: int = 16384
+    budget: int = 2048
+
+
+def build_workload(tokenizer, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+
+    def rand_ids(n):
+        return [rng.randrange(200, 40000) for _ in range(n)]
+    system = "You are a meticulous assistant for a software team. " * 12
+    chat = tokenizer.encode_chat([{"role": "system", "content": system},
+                                  {"role": "user", "content": "Summarise the plan for the release in five bullet points."}])
+    first = rand_ids(4000)
+    return {"chat": chat, "decode_tokens": 128, "batch_tokens": 64,
+            "prefill": {"1000": rand_ids(1000), "4000": rand_ids(4000)},
+            "batches": {str(n): [rand_ids(128) for _ in range(n)] for n in (8, 32)},
+            "cache_first": first, "cache_second": first[:3900] + rand_ids(100), "cache_other": rand_ids(4000)}
+
+
+def file_read_seconds(path: str) -> float:
+    start = time.perf_counter()
+    with open(path, "rb") as f:
+        while f.read(1 << 24):
+            pass
+    return time.perf_counter() - start
+
+
+def run_system(spec: dict) -> dict:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    try:
+        spawn = time.time()
+        proc = subprocess.run([sys.executable, "-m", "xlserve.bench.engine_runner", "--spec", f.name,
+                               "--spawn-time", str(spawn)], capture_output=True, text=True, timeout=1800)
+    finally:
+        os.unlink(f.name)
+    if proc.returncode != 0:
+        return {"system": spec["system"], "error": proc.stderr.strip().splitlines()[-1:] or ["failed"]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def available(system: str) -> bool:
+    import importlib.util
+    module = PEER_MODULES.get(system)
+    return module is None or importlib.util.find_spec(module) is not None
+
+
+def derive(result: dict) -> dict:
+    if "error" in result:
+        return result
+    used = result["weights_bytes"] + result["kv_bytes"]
+    result["peak_rss_mib"] = result["peak_rss_bytes"] / 2**20
+    result["overhead_pct"] = 100.0 * (result["peak_rss_bytes"] - used) / used if used else None
+    return result
+
+
+def run_bench(opts: BenchOptions) -> dict:
+    from xlserve.bench.bf16_gguf import write_bf16_gguf
+    from xlserve.loader.model_loader import load_model
+    from xlserve.loader.model_source import resolve_model
+    from xlserve.config import ModelConfig
+    source = resolve_model(opts.model)
+    if source.kind != "gguf":
+        raise ValueError("bench engine compares against llama.cpp and needs a GGUF model")
+    cache = os.path.join(os.path.expanduser("~/.cache/xlserve/bench"))
+    os.makedirs(cache, exist_ok=True)
+    bf16 = os.path.join(cache, os.path.basename(source.path).replace(".gguf", "") + ".BF16.gguf")
+    if not os.path.exists(bf16):
+        write_bf16_gguf(source.path, bf16)
+    tokenizer = load_model(ModelConfig(model=opts.model, dtype="float32")).tokenizer
+    workload = build_workload(tokenizer)
+    results = {"options": vars(opts) | {"systems": list(opts.systems)}, "bf16_gguf": bf16,
+               "weight_file_read_s": file_read_seconds(bf16), "skipped": {}, "systems": {}}
+    bar = tqdm(opts.systems, desc="bench engine", unit="system")
+    for system in bar:
+        bar.set_postfix_str(system)
+        if not available(system):
+            results["skipped"][system] = f"not installed (pip install -e .[peers])"
+            continue
+        spec = {"system": system, "model": bf16, "gguf": bf16, "dtype": opts.dtype, "threads": opts.threads,
+                "kv_tokens": opts.kv_tokens, "budget": opts.budget, "workload": workload,
+                "weights_file_bytes": os.path.getsize(bf16)}
+        results["systems"][system] = derive(run_system(spec))
+    return results

@@ -1,0 +1,69 @@
+"""Child process of ``xlserve bench engine``: measures one system and prints one JSON line.
+
+Run in a fresh process per system so its peak RSS and its cold start (process start to
+first token) are its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def make_system(spec: dict):
+    name = spec["system"]
+    if name == "xlserve":
+        from xlserve.bench.engine_systems import XlserveSystem
+        return XlserveSystem(spec["model"], spec["dtype"], spec["threads"], spec["kv_tokens"], spec["budget"])
+    if name == "llama.cpp":
+        from xlserve.bench.engine_systems import LlamaCppSystem
+        return LlamaCppSystem(spec["gguf"], spec["threads"], spec["kv_tokens"])
+    if name == "transformers":
+        from xlserve.bench.engine_systems import TransformersSystem
+        return TransformersSystem(spec["gguf"], spec["threads"])
+    raise ValueError(f"unknown system {name!r}")
+
+
+def measure(spec: dict, spawn_time: float) -> dict:
+    w = spec["workload"]
+    system = make_system(spec)
+    system.prefill(w["chat"][:32])
+    cold_start = time.time() - spawn_time
+    system.decode(w["chat"], 8)  # warm-up
+    out = {"system": system.name, "cold_start_s": cold_start,
+           "decode_b1_tok_s": system.decode(w["chat"], w["decode_tokens"])}
+    for n, ids in w["prefill"].items():
+        out[f"prefill_{n}_tok_s"] = len(ids) / system.prefill(ids)
+    for n, prompts in w["batches"].items():
+        out[f"decode_b{n}_tok_s"] = system.decode_batch(prompts, w["batch_tokens"])
+    out["ttft_uncached_s"] = system.prefill(w["cache_other"])
+    out["ttft_cached_s"] = system.cached_ttft(w["cache_first"], w["cache_second"])
+    out["peak_rss_bytes"] = peak_rss_bytes()
+    out["weights_bytes"] = system.weights_bytes() or spec.get("weights_file_bytes", 0)
+    out["kv_bytes"] = system.kv_bytes()
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--spec", required=True, help="JSON file with the system and the workload")
+    parser.add_argument("--spawn-time", type=float, required=True, help="time.time() when the parent spawned us")
+    args = parser.parse_args()
+    with open(args.spec) as f:
+        spec = json.load(f)
+    print(json.dumps(measure(spec, args.spawn_time)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

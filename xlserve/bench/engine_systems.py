@@ -1,0 +1,195 @@
+"""One system under test per process: xlserve, llama.cpp or transformers.
+
+Each ``System`` answers the same questions on the same token ids: time to first token
+of a prompt, decode speed, the cached-prefix case. ``engine_runner`` runs one of them in
+a fresh process, so memory and cold-start figures are the system's own.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+
+
+class System(ABC):
+    name: str
+
+    @abstractmethod
+    def prefill(self, ids: list[int]) -> float:
+        """Seconds to compute a prompt no earlier prompt shares, up to its first token."""
+
+    @abstractmethod
+    def decode(self, ids: list[int], new_tokens: int) -> float:
+        """Decode tokens per second after the first token of ``ids``, greedy, one sequence."""
+
+    def decode_batch(self, prompts: list[list[int]], new_tokens: int) -> float | None:
+        """Aggregate decode tokens per second over concurrent sequences; None if unsupported."""
+        return None
+
+    @abstractmethod
+    def cached_ttft(self, first: list[int], second: list[int]) -> float:
+        """Run ``first``; then seconds to the first token of ``second``, which shares its prefix."""
+
+    def weights_bytes(self) -> int:
+        return 0
+
+    def kv_bytes(self) -> int:
+        return 0
+
+
+class XlserveSystem(System):
+    name = "xlserve"
+
+    def __init__(self, model: str, dtype: str, threads: int, kv_tokens: int, budget: int):
+        import torch
+
+        from xlserve.config import EngineConfig
+        from xlserve.engine.llm_engine import LLMEngine
+        torch.set_num_threads(threads)
+        cfg = EngineConfig.from_kwargs(model=model, dtype=dtype, kv_cache_tokens=kv_tokens,
+                                       max_num_batched_tokens=budget, max_num_seqs=64)
+        self.engine = LLMEngine(cfg)
+        for k, v in self.engine.runner.kv_caches:  # fault the pool in: RSS then counts all of it
+            k.zero_()
+            v.zero_()
+        self._ids = 0
+
+    def _params(self, n: int):
+        from xlserve import SamplingParams
+        return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+    def _add(self, ids: list[int], n: int) -> str:
+        self._ids += 1
+        request_id = f"bench-{self._ids}"
+        self.engine.add_request(request_id, ids, self._params(n))
+        return request_id
+
+    def _run(self, request_ids: set[str]) -> dict[str, list[float]]:
+        """Step until the requests finish; per request, the time of each token."""
+        times: dict[str, list[float]] = {r: [] for r in request_ids}
+        while any(r in self.engine.scheduler.requests for r in request_ids):
+            for out in self.engine.step():
+                if out.request_id in times:
+                    times[out.request_id].append(time.perf_counter())
+        return times
+
+    def prefill(self, ids):
+        start = time.perf_counter()
+        rid = self._add(ids, 1)
+        return self._run({rid})[rid][0] - start
+
+    def decode(self, ids, new_tokens):
+        rid = self._add(ids, new_tokens)
+        t = self._run({rid})[rid]
+        return (len(t) - 1) / (t[-1] - t[0])
+
+    def decode_batch(self, prompts, new_tokens):
+        rids = {self._add(p, new_tokens) for p in prompts}
+        times = self._run(rids)
+        all_first = max(t[0] for t in times.values())
+        end = max(t[-1] for t in times.values())
+        tokens = sum(sum(1 for x in t if x > all_first) for t in times.values())
+        return tokens / (end - all_first)
+
+    def cached_ttft(self, first, second):
+        self.prefill(first)
+        return self.prefill(second)
+
+    def weights_bytes(self):
+        params = {id(p): p for p in self.engine.runner.model.parameters()}
+        return sum(p.numel() * p.element_size() for p in params.values())
+
+    def kv_bytes(self):
+        return self.engine.runner.kv_bytes
+
+
+class LlamaCppSystem(System):
+    name = "llama.cpp"
+
+    def __init__(self, gguf_path: str, threads: int, n_ctx: int):
+        from llama_cpp import Llama
+        self.llm = Llama(model_path=gguf_path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                         n_batch=512, n_ubatch=512, verbose=False)
+        self.n_ctx = n_ctx
+
+    def _first_token(self, ids: list[int]) -> float:
+        start = time.perf_counter()
+        for _ in self.llm.generate(ids, top_k=1, temp=0.0, reset=False):
+            return time.perf_counter() - start
+        raise RuntimeError("llama.cpp produced no token")
+
+    def prefill(self, ids):
+        self.llm.reset()
+        return self._first_token(ids)
+
+    def decode(self, ids, new_tokens):
+        self.llm.reset()
+        stamps = []
+        for _ in self.llm.generate(ids, top_k=1, temp=0.0, reset=False):
+            stamps.append(time.perf_counter())
+            if len(stamps) == new_tokens:
+                break
+        return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+    def cached_ttft(self, first, second):
+        self.prefill(first)
+        return self._first_token(second)  # generate() keeps the longest common prefix of the KV cache
+
+    def kv_bytes(self):
+        meta = self.llm.metadata
+        layers = int(meta.get("llama.block_count", 0))
+        kv_heads = int(meta.get("llama.attention.head_count_kv", 0))
+        head_dim = int(meta.get("llama.embedding_length", 0)) // max(int(meta.get("llama.attention.head_count", 1)), 1)
+        return 2 * layers * kv_heads * head_dim * 2 * self.n_ctx  # f16 K and V
+
+
+class TransformersSystem(System):
+    name = "transformers"
+
+    def __init__(self, gguf_path: str, threads: int):
+        import os
+
+        import torch
+        from transformers import AutoModelForCausalLM
+        torch.set_num_threads(threads)
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.bfloat16).eval()
+
+    def prefill(self, ids):
+        with self.torch.inference_mode():
+            start = time.perf_counter()
+            self.model(self.torch.tensor([ids]), use_cache=True)
+            return time.perf_counter() - start
+
+    def _greedy(self, ids_batch, new_tokens):
+        torch = self.torch
+        stamps = []
+        with torch.inference_mode():
+            out = self.model(torch.tensor(ids_batch), use_cache=True)
+            for _ in range(new_tokens):
+                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+                stamps.append(time.perf_counter())
+                out = self.model(nxt, past_key_values=out.past_key_values, use_cache=True)
+        return stamps
+
+    def decode(self, ids, new_tokens):
+        stamps = self._greedy([ids], new_tokens)
+        return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+    def decode_batch(self, prompts, new_tokens):
+        stamps = self._greedy(prompts, new_tokens)  # equal-length prompts: no padding needed
+        return len(prompts) * (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+    def cached_ttft(self, first, second):
+        torch = self.torch
+        with torch.inference_mode():
+            cache = self.model(torch.tensor([first]), use_cache=True).past_key_values
+            shared = next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), len(first))
+            start = time.perf_counter()
+            cache.crop(shared)
+            self.model(torch.tensor([second[shared:]]), past_key_values=cache, use_cache=True)
+            return time.perf_counter() - start
+
+    def weights_bytes(self):
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
