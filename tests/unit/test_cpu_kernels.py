@@ -1,39 +1,101 @@
-"""The bf16 decode kernel against a float64 reference, and the switch back to eager."""
+"""The fused CPU decode kernels against the eager torch code they replace."""
 
 import pytest
 import torch
 
-from xlserve.kernels import cpu_gemv
+from xlserve.kernels import cpu_ops
 from xlserve.layers.linear import linear
+from xlserve.layers.norm import RMSNorm
+from xlserve.layers.rotary import RotaryEmbedding
 
-needs_kernel = pytest.mark.skipif(cpu_gemv.kernel() is None, reason="CPU without AVX-512 or no C compiler")
+needs_kernels = pytest.mark.skipif(cpu_ops.kernels() is None, reason="CPU without AVX-512 or no C compiler")
+DTYPES = [torch.float32, torch.bfloat16]
 
 
-@needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16])
+def _close(a, b, dtype):
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    scale = max(1.0, b.float().abs().max().item())
+    assert (a.float() - b.float()).abs().max().item() <= tol * scale
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16])
 @pytest.mark.parametrize("shape", [(960, 576), (49, 37), (17, 16), (130, 1536)])
-def test_gemv_matches_reference(rows, shape):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_matches_reference(rows, shape, dtype):
     n, k = shape
     g = torch.Generator().manual_seed(rows * 1000 + n)
     w = torch.randn(n, k, generator=g).bfloat16()
-    x = torch.randn(rows, k, generator=g)
-    bias = torch.randn(n, generator=g)
-    ref = x.double() @ w.double().T + bias.double()
-    got = cpu_gemv.gemv_bf16(x, w, bias)
-    assert got.dtype == torch.float32 and got.shape == (rows, n)
-    assert (got.double() - ref).abs().max().item() < 1e-4 * max(1.0, ref.abs().max().item())
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype)
+    residual = torch.randn(rows, n, generator=g).to(dtype)
+    ref = x.double() @ w.double().T + bias.double() + residual.double()
+    got = cpu_ops.linear_bf16(x, w, bias, residual)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    _close(got, ref, dtype)
 
 
-@needs_kernel
-def test_dispatch_uses_kernel_only_for_few_bf16_rows():
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rmsnorm_rope_silu_match_eager(dtype):
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(64, 1e-5).to(dtype)
+    norm.weight.data = torch.rand(64, generator=g).to(dtype) + 0.5
+    x = torch.randn(3, 64, generator=g).to(dtype)
+    _close(cpu_ops.rmsnorm(x, norm.weight, norm.eps), norm(x), dtype)
+
+    rotary = RotaryEmbedding(16, 64, 10000.0, {})
+    cos, sin = rotary.cos_sin(torch.tensor([0, 5, 9]), dtype)
+    qkv = torch.randn(3, 16 * (4 + 2 + 2), generator=g).to(dtype)
+    q, k = qkv[:, :64].reshape(3, 4, 16), qkv[:, 64:96].reshape(3, 2, 16)
+    ref_q, ref_k = rotary((cos, sin), q, k)
+    rotated = qkv.clone()
+    cpu_ops.rope_(rotated, 4, 2, 16, cos, sin)
+    _close(rotated[:, :64].reshape(3, 4, 16), ref_q, dtype)
+    _close(rotated[:, 64:96].reshape(3, 2, 16), ref_k, dtype)
+    assert torch.equal(rotated[:, 96:], qkv[:, 96:])  # v untouched
+
+    gate_up = torch.randn(2, 40, generator=g).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    _close(cpu_ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_matches_sdpa(dtype):
+    g = torch.Generator().manual_seed(1)
+    hq, hk, d, slots_total = 6, 2, 32, 64
+    kc = torch.randn(slots_total, hk, d, generator=g).to(dtype)
+    vc = torch.randn(slots_total, hk, d, generator=g).to(dtype)
+    lens = torch.tensor([5, 17, 1])
+    slots = torch.zeros(3, 17, dtype=torch.long)
+    for b, n in enumerate(lens.tolist()):
+        slots[b, :n] = torch.randperm(slots_total, generator=g)[:n]
+    qkv = torch.randn(3, (hq + 2 * hk) * d, generator=g).to(dtype)
+    q = qkv[:, :hq * d].view(3, hq, d)
+    k_new = qkv[:, hq * d:(hq + hk) * d].view(3, hk, d)
+    v_new = qkv[:, (hq + hk) * d:].view(3, hk, d)
+    new_slots = torch.tensor([slots[b, n - 1].item() for b, n in enumerate(lens.tolist())])
+    got = cpu_ops.decode_attention(q, k_new, v_new, new_slots, kc, vc, slots, lens, d ** -0.5)
+    assert torch.equal(kc[new_slots], k_new) and torch.equal(vc[new_slots], v_new)
+    for b, n in enumerate(lens.tolist()):
+        k = kc[slots[b, :n]].transpose(0, 1).unsqueeze(0)
+        v = vc[slots[b, :n]].transpose(0, 1).unsqueeze(0)
+        ref = torch.nn.functional.scaled_dot_product_attention(q[b].unsqueeze(0).unsqueeze(2).float(), k.float(),
+                                                               v.float(), enable_gqa=True)
+        _close(got[b], ref[0, :, 0], dtype)
+
+
+@needs_kernels
+def test_dispatch_and_switch_back_to_eager():
     w = torch.randn(64, 32).bfloat16()
-    assert cpu_gemv.use_gemv(torch.randn(1, 32).bfloat16(), w)
-    assert not cpu_gemv.use_gemv(torch.randn(cpu_gemv.MAX_ROWS + 1, 32).bfloat16(), w)
-    assert not cpu_gemv.use_gemv(torch.randn(1, 32), w.float())
-    cpu_gemv.set_enabled(False)
+    assert cpu_ops.use_linear(torch.randn(1, 32).bfloat16(), w)
+    assert not cpu_ops.use_linear(torch.randn(cpu_ops.MAX_ROWS + 1, 32).bfloat16(), w)
+    assert not cpu_ops.use_linear(torch.randn(1, 32), w.float())
+    cpu_ops.set_enabled(False)
     try:
-        assert not cpu_gemv.use_gemv(torch.randn(1, 32).bfloat16(), w)
+        assert not cpu_ops.use_linear(torch.randn(1, 32).bfloat16(), w)
         x = torch.randn(2, 32).bfloat16()
         assert torch.equal(linear(x, w, None), torch.nn.functional.linear(x, w))
     finally:
-        cpu_gemv.set_enabled(True)
+        cpu_ops.set_enabled(True)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from xlserve.engine.guided import GuidedDecoding
+from xlserve.kernels import cpu_ops
 from xlserve.engine.sampler import Sampler
 from xlserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from xlserve.layers.attention import AttentionMetadata, PrefillChunk
@@ -76,6 +77,10 @@ class ModelRunner:
                 slots[i, :len(ctx)] = ctx
                 mask[i, ..., :len(ctx)] = True
             meta.decode_rows = torch.tensor(decode_rows, device=self.device)
+            meta.decode_lens = torch.tensor([len(c) for c in decode_ctx], device=self.device)
+            meta.fused_decode = (not prefills and len(decode_rows) <= cpu_ops.MAX_ROWS
+                                 and self.device.type == "cpu" and cpu_ops.kernels() is not None
+                                 and self.kv_caches[0][0].dtype in (torch.bfloat16, torch.float32))
             meta.decode_slots, meta.decode_mask = slots.to(self.device), mask.to(self.device)
         return meta
 

@@ -71,3 +71,109 @@ void xl_gemv_bf16(const float* x, const uint16_t* w, float* out, int64_t M, int6
     }
   }
 }
+
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16f(uint16_t v) {
+  uint32_t bits = (uint32_t)v << 16;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+static inline uint16_t f32bf(float f) {
+  uint32_t bits;
+  memcpy(&bits, &f, 4);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return (uint16_t)(bits >> 16);
+}
+
+#ifdef XL_HAVE_BF16_DOT
+/* bf16 activations on CPUs with AVX512-BF16: vdpbf16ps multiplies 32 bf16 pairs per
+ * instruction (exact products, fp32 accumulation), half the work of widening. */
+static inline __m512i load_pairs(const uint16_t* p, int64_t remaining) {
+  if (remaining >= 32) return _mm512_loadu_si512((const void*)p);
+  return _mm512_maskz_loadu_epi16((__mmask32)((1ull << remaining) - 1ull), p);
+}
+
+#define BLOCK_DOTBF(R, MR)                                                                   \
+  static void dotbf_##R##_##MR(const uint16_t* w, const uint16_t* x, int64_t K, float* out,  \
+                               int64_t N) {                                                  \
+    __m512 acc[R][MR];                                                                       \
+    for (int r = 0; r < R; ++r)                                                              \
+      for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();                          \
+    for (int64_t k = 0; k < K; k += 32) {                                                    \
+      __m512bh xv[MR];                                                                       \
+      for (int m = 0; m < MR; ++m) xv[m] = (__m512bh)load_pairs(x + m * K + k, K - k);       \
+      for (int r = 0; r < R; ++r) {                                                          \
+        _mm_prefetch((const char*)(w + (r + ROW_BLOCK * 4) * K + k), _MM_HINT_T0);            \
+        __m512bh wv = (__m512bh)load_pairs(w + r * K + k, K - k);                            \
+        for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xv[m]);     \
+      }                                                                                      \
+    }                                                                                        \
+    for (int r = 0; r < R; ++r)                                                              \
+      for (int m = 0; m < MR; ++m) out[m * N + r] = _mm512_reduce_add_ps(acc[r][m]);         \
+  }
+
+BLOCK_DOTBF(8, 1) BLOCK_DOTBF(8, 2) BLOCK_DOTBF(8, 3) BLOCK_DOTBF(8, 4)
+BLOCK_DOTBF(1, 1) BLOCK_DOTBF(1, 2) BLOCK_DOTBF(1, 3) BLOCK_DOTBF(1, 4)
+
+typedef void (*dotbf_fn)(const uint16_t*, const uint16_t*, int64_t, float*, int64_t);
+static const dotbf_fn DOTBF8[5] = {0, dotbf_8_1, dotbf_8_2, dotbf_8_3, dotbf_8_4};
+static const dotbf_fn DOTBF1[5] = {0, dotbf_1_1, dotbf_1_2, dotbf_1_3, dotbf_1_4};
+
+static void gemv_bf16_pairs(const uint16_t* x, const uint16_t* w, float* out, int64_t M, int64_t N, int64_t K,
+                            int threads) {
+  const int64_t blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t n0 = b * ROW_BLOCK;
+    const int64_t rows = N - n0 < ROW_BLOCK ? N - n0 : ROW_BLOCK;
+    for (int64_t m = 0; m < M; m += 4) {
+      const int64_t mr = M - m < 4 ? M - m : 4;
+      if (rows == ROW_BLOCK) {
+        DOTBF8[mr](w + n0 * K, x + m * K, K, out + m * N + n0, N);
+      } else {
+        for (int64_t r = 0; r < rows; ++r) DOTBF1[mr](w + (n0 + r) * K, x + m * K, K, out + m * N + n0 + r, N);
+      }
+    }
+  }
+}
+#endif
+
+/* out = x @ w.T (+ bias) (+ residual), x and out in bf16 or fp32, as eager torch computes
+ * it: fp32 accumulation with the bias, rounded to the dtype; then the residual added and
+ * rounded again. bias: [N], residual: [M, N], both in the activation dtype or NULL. */
+void xl_linear_bf16(const void* x, const uint16_t* w, const void* bias, const void* residual, void* out,
+                    int64_t M, int64_t N, int64_t K, int bf16, int threads) {
+  float* of = bf16 ? (float*)malloc(sizeof(float) * M * N) : (float*)out;
+  float* xf = (float*)x;
+#ifdef XL_HAVE_BF16_DOT
+  if (bf16) {
+    gemv_bf16_pairs((const uint16_t*)x, w, of, M, N, K, threads);
+    xf = NULL;
+  }
+#endif
+  if (bf16 && xf) {
+    xf = (float*)malloc(sizeof(float) * M * K);
+    for (int64_t i = 0; i < M * K; ++i) xf[i] = bf16f(((const uint16_t*)x)[i]);
+  }
+  if (xf) xl_gemv_bf16(xf, w, of, M, N, K, threads);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n = 0; n < N; ++n) {
+      float v = of[m * N + n];
+      if (bias) v += bf16 ? bf16f(((const uint16_t*)bias)[n]) : ((const float*)bias)[n];
+      if (residual) {
+        if (bf16) v = bf16f(f32bf(v)) + bf16f(((const uint16_t*)residual)[m * N + n]);
+        else v += ((const float*)residual)[m * N + n];
+      }
+      if (bf16) ((uint16_t*)out)[m * N + n] = f32bf(v);
+      else of[m * N + n] = v;
+    }
+  }
+  if (bf16) {
+    if (xf) free(xf);
+    free(of);
+  }
+}

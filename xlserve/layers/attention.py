@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from xlserve.kernels import cpu_ops
+
 
 @dataclass
 class PrefillChunk:
@@ -30,6 +32,8 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None = None  # [B] rows of one-token sequences
     decode_slots: torch.Tensor | None = None  # [B, L] context slots, padded
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] True where a slot is real
+    decode_lens: torch.Tensor | None = None  # [B] context length of each decode row
+    fused_decode: bool = False  # decode-only CPU step on the fused kernels (rows = batch, in order)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -46,6 +50,9 @@ class AttentionBackend(ABC):
 class TorchSDPABackend(AttentionBackend):
     def forward(self, q, k, v, kv_cache, meta):
         k_cache, v_cache = kv_cache
+        if meta.fused_decode:  # one kernel writes the new K/V and attends
+            return cpu_ops.decode_attention(q, k, v, meta.slot_mapping, k_cache, v_cache, meta.decode_slots,
+                                            meta.decode_lens, q.shape[-1] ** -0.5)
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)

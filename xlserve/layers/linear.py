@@ -10,14 +10,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from xlserve.kernels.cpu_gemv import gemv_bf16, use_gemv
+from xlserve.kernels import cpu_ops
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T + bias``; few-row bf16 CPU matmuls (decode) take the bandwidth kernel."""
-    if use_gemv(x, weight):
-        return gemv_bf16(x, weight, bias)
-    return nn.functional.linear(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias (+ residual)``; few-row bf16 CPU matmuls (decode) take the
+    bandwidth kernel, which also adds the residual."""
+    if cpu_ops.use_linear(x, weight):
+        return cpu_ops.linear_bf16(x, weight, bias, residual)
+    out = nn.functional.linear(x, weight, bias)
+    return out if residual is None else residual + out
 
 
 class Linear(nn.Linear):

@@ -43,12 +43,12 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The per-token tables, gathered once per forward and shared by every layer."""
+        """The per-token [T, D] tables, gathered once per forward and shared by every layer."""
         if self.cos.device != positions.device:
             self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hkv, D]; cos_sin from ``cos_sin(positions)``."""
-        cos, sin = cos_sin
+        cos, sin = (t.unsqueeze(1) for t in cos_sin)
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin

@@ -1,0 +1,179 @@
+"""Fused CPU kernels for the decode step, built on first use with the system C compiler,
+cached by source hash, and called through ctypes (which releases the GIL).
+
+Plain C with no torch headers compiles in about a second, so there is no build step at
+install time. Where the CPU lacks AVX-512 or no compiler is found, callers fall back to
+the eager torch code, which these kernels reproduce up to summation order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCES = [Path(__file__).with_name(n) for n in ("gemv_bf16.c", "decode_ops.c")]
+CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+MAX_ROWS = 16  # beyond this, a real GEMM (oneDNN, AMX) beats a pass per row block
+MAX_HEAD_DIM = 1024
+
+_lock = threading.Lock()
+_lib = None
+_tried = False
+_enabled = os.environ.get("XLSERVE_EAGER", "") in ("", "0")
+
+P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+SIGNATURES = {
+    "xl_linear_bf16": [P, P, P, P, P, I64, I64, I64, I32, I32],
+    "xl_rmsnorm": [P, P, P, I64, I64, F32, I32],
+    "xl_rope": [P, P, P, I64, I64, I64, I64, I64, I32],
+    "xl_silu_mul": [P, P, I64, I64, I32],
+    "xl_decode_attention": [P, P, P, I64, P, P, P, P, P, P, I64, I64, I64, I64, I64, F32, I32, I32],
+}
+
+
+def set_enabled(enabled: bool) -> None:
+    """Turn the kernels off to run the plain eager torch path (the reference)."""
+    global _enabled
+    _enabled = enabled
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XLSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "xlserve")
+    return Path(base) / "kernels"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _cflags() -> list[str]:
+    if "avx512_bf16" in _cpu_flags():
+        return [*CFLAGS, "-mavx512bf16", "-DXL_HAVE_BF16_DOT"]
+    return list(CFLAGS)
+
+
+def _build() -> ctypes.CDLL | None:
+    if "AVX512" not in torch.backends.cpu.get_cpu_capability():
+        return None
+    cflags = _cflags()
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found: the decode step uses the slower torch path")
+        return None
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(cflags).encode())
+    target = _cache_dir() / f"xlserve_cpu_{digest.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(f".{os.getpid()}.tmp")
+        result = subprocess.run([compiler, *cflags, *map(str, SOURCES), "-lm", "-o", str(tmp)],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            log.warning("building the CPU kernels failed, using torch: %s", result.stderr[-500:])
+            return None
+        os.replace(tmp, target)  # atomic: concurrent builders never see half a file
+    lib = ctypes.CDLL(str(target))
+    for name, args in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
+    return lib
+
+
+def kernels() -> ctypes.CDLL | None:
+    """The library, or None where it cannot be built (or is switched off)."""
+    global _lib, _tried
+    if not _enabled:
+        return None
+    with _lock:
+        if not _tried:
+            _tried = True
+            try:
+                _lib = _build()
+            except OSError as e:
+                log.warning("CPU kernels unavailable (%s); using torch", e)
+    return _lib
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Kernels apply: CPU, contiguous, bf16 or fp32 activations, library loaded."""
+    return (all(t.device.type == "cpu" and t.is_contiguous() and t.dtype in (torch.bfloat16, torch.float32)
+                for t in tensors) and kernels() is not None)
+
+
+def _is_bf16(t: torch.Tensor) -> int:
+    return int(t.dtype == torch.bfloat16)
+
+
+def use_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (weight.dtype == torch.bfloat16 and x.numel() // x.shape[-1] <= MAX_ROWS
+            and usable(weight, x))
+
+
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias) (+ residual)`` for bf16 ``weight`` and few rows of ``x``."""
+    lib = kernels()
+    x = x.contiguous()
+    n, k = weight.shape
+    m = x.numel() // k
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+    bias_ptr = bias.to(x.dtype).contiguous().data_ptr() if bias is not None else None
+    res_ptr = residual.contiguous().data_ptr() if residual is not None else None
+    lib.xl_linear_bf16(x.data_ptr(), weight.data_ptr(), bias_ptr, res_ptr, out.data_ptr(), m, n, k, _is_bf16(x),
+                       torch.get_num_threads())
+    return out
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    out = torch.empty_like(x)
+    h = x.shape[-1]
+    kernels().xl_rmsnorm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // h, h, eps, _is_bf16(x))
+    return out
+
+
+def rope_(qkv: torch.Tensor, num_q_heads: int, num_k_heads: int, head_dim: int,
+          cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate the q and k heads of the fused projection ``qkv`` [T, row] in place;
+    cos/sin [T, D] in the activation dtype."""
+    t, row = qkv.shape
+    kernels().xl_rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, row, num_q_heads, num_k_heads,
+                      head_dim, _is_bf16(qkv))
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    i = gate_up.shape[-1] // 2
+    out = torch.empty(*gate_up.shape[:-1], i, dtype=gate_up.dtype)
+    kernels().xl_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * i), i, _is_bf16(gate_up))
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, new_slots: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Write each sequence's new K/V (views [B, Hk, D] of the fused projection) into
+    ``new_slots``, then attend q [B, Hq, D] over the paged context ``slots`` [B, L]."""
+    b, hq, d = q.shape
+    row = q.stride(0)  # meaningless (and unused) when b == 1
+    assert q.stride(1) == d and (b == 1 or (k_new.stride(0) == row and v_new.stride(0) == row))
+    out = torch.empty(b, hq, d, dtype=q.dtype)
+    kernels().xl_decode_attention(q.data_ptr(), k_new.data_ptr(), v_new.data_ptr(), row, new_slots.data_ptr(),
+                                  k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), lens.data_ptr(),
+                                  out.data_ptr(), b, hq, k_cache.shape[1], d, slots.shape[1], scale,
+                                  _is_bf16(q), torch.get_num_threads())
+    return out
