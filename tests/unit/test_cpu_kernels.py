@@ -90,7 +90,7 @@ def test_decode_attention_matches_sdpa(dtype):
 def test_dispatch_and_switch_back_to_eager():
     w = torch.randn(64, 32).bfloat16()
     assert cpu_ops.use_linear(torch.randn(1, 32).bfloat16(), w)
-    assert not cpu_ops.use_linear(torch.randn(cpu_ops.MAX_ROWS + 1, 32).bfloat16(), w)
+    assert not cpu_ops.use_linear(torch.randn(cpu_ops.LINEAR_MAX_ROWS + 1, 32).bfloat16(), w)
     assert not cpu_ops.use_linear(torch.randn(1, 32), w.float())
     cpu_ops.set_enabled(False)
     try:

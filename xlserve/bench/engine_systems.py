@@ -114,7 +114,8 @@ class LlamaCppSystem(System):
 
     def _first_token(self, ids: list[int]) -> float:
         start = time.perf_counter()
-        for _ in self.llm.generate(ids, top_k=1, temp=0.0, reset=False):
+        # reset=True: llama-cpp-python then keeps the longest common prefix of its KV cache
+        for _ in self.llm.generate(ids, top_k=1, temp=0.0, reset=True):
             return time.perf_counter() - start
         raise RuntimeError("llama.cpp produced no token")
 
@@ -125,7 +126,7 @@ class LlamaCppSystem(System):
     def decode(self, ids, new_tokens):
         self.llm.reset()
         stamps = []
-        for _ in self.llm.generate(ids, top_k=1, temp=0.0, reset=False):
+        for _ in self.llm.generate(ids, top_k=1, temp=0.0, reset=True):
             stamps.append(time.perf_counter())
             if len(stamps) == new_tokens:
                 break
@@ -187,7 +188,7 @@ class TransformersSystem(System):
             cache = self.model(torch.tensor([first]), use_cache=True).past_key_values
             shared = next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), len(first))
             start = time.perf_counter()
-            cache.crop(shared)
+            cache.crop(shared - len(first))  # drop the unshared tail
             self.model(torch.tensor([second[shared:]]), past_key_values=cache, use_cache=True)
             return time.perf_counter() - start
 

@@ -22,7 +22,8 @@ import torch
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(n) for n in ("gemv_bf16.c", "decode_ops.c")]
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp", "-shared", "-fPIC"]
-MAX_ROWS = 16  # beyond this, a real GEMM (oneDNN, AMX) beats a pass per row block
+LINEAR_MAX_ROWS = 4  # beyond this, oneDNN's GEMM (AMX where present) beats a pass per row block
+MAX_ROWS = 64  # decode batches up to this size take the fused path (norm, rope, attention)
 MAX_HEAD_DIM = 1024
 
 _lock = threading.Lock()
@@ -52,7 +53,7 @@ def _cache_dir() -> Path:
     return Path(base) / "kernels"
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -64,7 +65,7 @@ def _cpu_flags() -> set[str]:
 
 
 def _cflags() -> list[str]:
-    if "avx512_bf16" in _cpu_flags():
+    if "avx512_bf16" in cpu_flags():
         return [*CFLAGS, "-mavx512bf16", "-DXL_HAVE_BF16_DOT"]
     return list(CFLAGS)
 
@@ -121,7 +122,7 @@ def _is_bf16(t: torch.Tensor) -> int:
 
 
 def use_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (weight.dtype == torch.bfloat16 and x.numel() // x.shape[-1] <= MAX_ROWS
+    return (weight.dtype == torch.bfloat16 and x.numel() // x.shape[-1] <= LINEAR_MAX_ROWS
             and usable(weight, x))
 
 

@@ -1,6 +1,7 @@
 """GGUF files: metadata -> Hugging Face style config, tensors -> dequantized weights.
 
-Dequantization uses the ``gguf`` package, so every type it knows is supported.
+The container is read by ``gguf_container``; dequantization uses the ``gguf`` package,
+so every type it knows is supported.
 llama.cpp stores Llama query/key weights permuted for its rope layout; they are
 permuted back here so the model code sees the Hugging Face layout.
 """
@@ -8,11 +9,13 @@ permuted back here so the model code sees the Hugging Face layout.
 from __future__ import annotations
 
 import re
+import struct
 from typing import Iterator
 
 import numpy as np
 import torch
 
+from xlserve.loader.gguf_container import TensorInfo, read_gguf, tensor_bytes
 from xlserve.models.registry import GGUF_ARCHITECTURES
 
 TENSOR_NAMES = {
@@ -38,20 +41,11 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 class GGUFFile:
     def __init__(self, path: str):
-        from gguf import GGUFReader
         self.path = path
         try:
-            self.reader = GGUFReader(path)
-            self.meta = {k: self._field_value(f) for k, f in self.reader.fields.items()}
-        except Exception as e:  # the reader raises assorted errors on damaged files
+            self.meta, self.tensors, self._data = read_gguf(path)
+        except (ValueError, OSError, struct.error, UnicodeDecodeError) as e:
             raise ValueError(f"cannot read GGUF file {path!r} (corrupt or truncated?): {e}") from e
-
-    @staticmethod
-    def _field_value(field):
-        try:
-            return field.contents()
-        except Exception:
-            return None
 
     def hf_config(self) -> dict:
         m = self.meta
@@ -61,7 +55,7 @@ class GGUFFile:
                              f"{', '.join(sorted(GGUF_ARCHITECTURES))}")
         heads = int(m[f"{arch}.attention.head_count"])
         hidden = int(m[f"{arch}.embedding_length"])
-        names = {t.name for t in self.reader.tensors}
+        names = {t.name for t in self.tensors}
         cfg = {
             "architectures": [GGUF_ARCHITECTURES[arch]],
             "vocab_size": len(m.get("tokenizer.ggml.tokens") or []) or int(m[f"{arch}.vocab_size"]),
@@ -84,22 +78,32 @@ class GGUFFile:
         from gguf.quants import dequantize
         cfg = self.hf_config()
         permute = cfg["architectures"][0] == "LlamaForCausalLM"
-        for t in self.reader.tensors:
+        for t in self.tensors:
             name = self._hf_name(t.name)
-            try:
-                array = dequantize(t.data, t.tensor_type)
-            except Exception as e:
-                raise ValueError(f"cannot dequantize tensor {t.name} ({t.tensor_type.name}) of "
-                                 f"{self.path!r}: {e}") from e
-            tensor = torch.from_numpy(np.array(array, dtype=np.float32))  # copy: the reader maps read-only
+            tensor = self._tensor(t, dequantize)
             if permute and name.endswith(("q_proj.weight", "k_proj.weight")):
                 key = "num_attention_heads" if "q_proj" in name else "num_key_value_heads"
                 tensor = _unpermute_rope(tensor, cfg[key])
             yield name, tensor.to(dtype)
 
+    def _tensor(self, t: TensorInfo, dequantize) -> torch.Tensor:
+        from gguf import GGMLQuantizationType as Q
+        raw = tensor_bytes(self._data, t)
+        unquantized = {Q.F32: np.float32, Q.F16: np.float16, Q.BF16: np.int16}
+        if t.qtype in unquantized:  # reinterpret the bytes, no float32 detour
+            array = torch.from_numpy(np.array(raw).view(unquantized[t.qtype]))  # copy: the map is read-only
+            if t.qtype == Q.BF16:
+                array = array.view(torch.bfloat16)
+            return array.reshape(t.shape)
+        try:
+            array = dequantize(raw, Q(t.qtype))
+        except Exception as e:
+            raise ValueError(f"cannot dequantize tensor {t.name} (type {t.qtype}) of {self.path!r}: {e}") from e
+        return torch.from_numpy(np.array(array, dtype=np.float32)).reshape(t.shape)
+
     @property
     def num_tensors(self) -> int:
-        return len(self.reader.tensors)
+        return len(self.tensors)
 
     @staticmethod
     def _hf_name(name: str) -> str:

@@ -9,6 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from xlserve.config import ModelConfig
+from xlserve.kernels.cpu_ops import cpu_flags as _cpu_flags
 from xlserve.loader.gguf_file import GGUFFile
 from xlserve.loader.model_source import ModelSource, resolve_model
 from xlserve.loader.safetensors_dir import SafetensorsDir
@@ -41,7 +42,11 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        # bf16 where the hardware has bf16 math (CUDA, CPUs with AVX512-BF16 / AMX);
+        # elsewhere float32, which older CPUs run faster than emulated bf16.
+        fast_bf16 = device.type == "cuda" or torch.backends.cpu.get_cpu_capability() == "AVX512" and \
+            "avx512_bf16" in _cpu_flags()
+        return torch.bfloat16 if fast_bf16 else torch.float32
     return DTYPES[name]
 
 
