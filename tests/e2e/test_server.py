@@ -110,10 +110,11 @@ def test_client_disconnect_frees_blocks(server):
     body = {"messages": HELLO, "max_tokens": 400, "ignore_eos": True, "stream": True}
     headers = {"Authorization": f"Bearer {API_KEY}"}
     with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, headers=headers, timeout=60) as r:
-        for i, _ in enumerate(r.iter_lines()):
-            if i > 6:
-                break
+        lines = r.iter_lines()  # not a for-loop: leaving one early would close the connection here
+        for _ in range(7):
+            next(lines)
         assert metric(server, "xlserve_kv_blocks_used") > 0
+        assert metric(server, "xlserve_requests_running") == 1
     deadline = time.monotonic() + 20
     while metric(server, "xlserve_kv_blocks_used") > 0 and time.monotonic() < deadline:
         time.sleep(0.2)

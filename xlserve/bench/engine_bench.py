@@ -28,6 +28,7 @@ ROWS = [  # key, label, higher is better
     ("ttft_cached_s", "TTFT 4,000 tokens, 3,900 cached, s", False),
     ("peak_rss_mib", "peak RSS, MiB", False),
     ("overhead_pct", "memory overhead, % of weights + KV", False),
+    ("overhead_beyond_runtime_pct", "same, beyond the bare runtime's RSS", False),
     ("cold_start_s", "cold start to first token, s", False),
 ]
 
@@ -93,6 +94,8 @@ def derive(result: dict) -> dict:
     used = result["weights_bytes"] + result["kv_bytes"]
     result["peak_rss_mib"] = result["peak_rss_bytes"] / 2**20
     result["overhead_pct"] = 100.0 * (result["peak_rss_bytes"] - used) / used if used else None
+    beyond = result["peak_rss_bytes"] - result.get("runtime_rss_bytes", 0) - used
+    result["overhead_beyond_runtime_pct"] = 100.0 * beyond / used if used else None
     return result
 
 

@@ -12,12 +12,17 @@ import sys
 import time
 
 
-def peak_rss_bytes() -> int:
+def rss_bytes(field: str = "VmHWM") -> int:
+    """VmHWM: peak resident set; VmRSS: current."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+RUNTIME_IMPORTS = {"xlserve": ("torch", "xlserve.engine.llm_engine"), "llama.cpp": ("llama_cpp",),
+                   "transformers": ("torch", "transformers")}
 
 
 def make_system(spec: dict):
@@ -36,6 +41,10 @@ def make_system(spec: dict):
 
 def measure(spec: dict, spawn_time: float) -> dict:
     w = spec["workload"]
+    import importlib
+    for module in RUNTIME_IMPORTS[spec["system"]]:
+        importlib.import_module(module)
+    runtime_rss = rss_bytes("VmRSS")  # the interpreter and libraries, before any model
     system = make_system(spec)
     system.prefill(w["chat"][:32])
     cold_start = time.time() - spawn_time
@@ -48,7 +57,8 @@ def measure(spec: dict, spawn_time: float) -> dict:
         out[f"decode_b{n}_tok_s"] = system.decode_batch(prompts, w["batch_tokens"])
     out["ttft_uncached_s"] = system.prefill(w["cache_other"])
     out["ttft_cached_s"] = system.cached_ttft(w["cache_first"], w["cache_second"])
-    out["peak_rss_bytes"] = peak_rss_bytes()
+    out["peak_rss_bytes"] = rss_bytes("VmHWM")
+    out["runtime_rss_bytes"] = runtime_rss
     out["weights_bytes"] = system.weights_bytes() or spec.get("weights_file_bytes", 0)
     out["kv_bytes"] = system.kv_bytes()
     return out

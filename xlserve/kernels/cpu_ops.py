@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(n) for n in ("gemv_bf16.c", "decode_ops.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("gemv_bf16.c", "decode_ops.c", "decode_layer.c")]
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 LINEAR_MAX_ROWS = 4  # beyond this, oneDNN's GEMM (AMX where present) beats a pass per row block
 MAX_ROWS = 64  # decode batches up to this size take the fused path (norm, rope, attention)
@@ -38,6 +38,8 @@ SIGNATURES = {
     "xl_rope": [P, P, P, I64, I64, I64, I64, I64, I32],
     "xl_silu_mul": [P, P, I64, I64, I32],
     "xl_decode_attention": [P, P, P, I64, P, P, P, P, P, P, I64, I64, I64, I64, I64, F32, I32, I32],
+    "xl_decode_layer": [P, I64, I64, P, P, F32, P, P, P, P, P, I64, I64, I64, I64, P, P, P, P, P, P, P, I64,
+                        F32, I32, I32],
 }
 
 
@@ -178,3 +180,18 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
                                   out.data_ptr(), b, hq, k_cache.shape[1], d, slots.shape[1], scale,
                                   _is_bf16(q), torch.get_num_threads())
     return out
+
+
+def decode_layer_(x: torch.Tensor, ln1: torch.Tensor, ln2: torch.Tensor, eps: float, w_qkv: torch.Tensor,
+                  b_qkv: torch.Tensor | None, w_o: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                  num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, new_slots: torch.Tensor, slots: torch.Tensor,
+                  lens: torch.Tensor) -> None:
+    """One Llama-style decoder layer on ``x`` [B, H] in place (B <= LINEAR_MAX_ROWS, bf16 weights)."""
+    b, h = x.shape
+    kernels().xl_decode_layer(
+        x.data_ptr(), b, h, ln1.data_ptr(), ln2.data_ptr(), eps, w_qkv.data_ptr(),
+        b_qkv.data_ptr() if b_qkv is not None else None, w_o.data_ptr(), w_gate_up.data_ptr(), w_down.data_ptr(),
+        num_heads, num_kv_heads, head_dim, w_down.shape[1], cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+        v_cache.data_ptr(), new_slots.data_ptr(), slots.data_ptr(), lens.data_ptr(), slots.shape[1],
+        head_dim ** -0.5, _is_bf16(x), torch.get_num_threads())

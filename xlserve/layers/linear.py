@@ -24,6 +24,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 class Linear(nn.Linear):
+    def reset_parameters(self) -> None:
+        pass  # weights come from the checkpoint; see Embedding.reset_parameters
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 

@@ -15,7 +15,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from xlserve.loader.gguf_container import TensorInfo, read_gguf, tensor_bytes
+from xlserve.loader.gguf_container import TensorInfo, read_gguf, release, tensor_bytes
 from xlserve.models.registry import GGUF_ARCHITECTURES
 
 TENSOR_NAMES = {
@@ -81,6 +81,7 @@ class GGUFFile:
         for t in self.tensors:
             name = self._hf_name(t.name)
             tensor = self._tensor(t, dequantize)
+            release(self._data, t)
             if permute and name.endswith(("q_proj.weight", "k_proj.weight")):
                 key = "num_attention_heads" if "q_proj" in name else "num_key_value_heads"
                 tensor = _unpermute_rope(tensor, cfg[key])

@@ -1,0 +1,55 @@
+/* A whole decoder layer for a decode step of a few sequences, in one call.
+ *
+ * The per-op kernels already move the bytes at memory speed; what remained was Python
+ * between them (about a dozen calls per layer, 30 layers per token). This chains the
+ * same kernels, with the same rounding, so a decode step costs one call per layer.
+ * Llama-style layer: pre-norm attention (fused QKV, rotary) and a SwiGLU MLP.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+void xl_rmsnorm(const void* x, const void* w, void* out, int64_t T, int64_t H, float eps, int bf16);
+void xl_rope(void* qkv, const void* cs, const void* sn, int64_t T, int64_t row, int64_t Hq, int64_t Hk,
+             int64_t D, int bf16);
+void xl_silu_mul(const void* gate_up, void* out, int64_t T, int64_t I, int bf16);
+void xl_decode_attention(const void* q, const void* k_new, const void* v_new, int64_t row,
+                         const int64_t* new_slots, void* kc, void* vc, const int64_t* slots,
+                         const int64_t* lens, void* out, int64_t B, int64_t Hq, int64_t Hk, int64_t D,
+                         int64_t L, float scale, int bf16, int threads);
+void xl_linear_bf16(const void* x, const uint16_t* w, const void* bias, const void* residual, void* out,
+                    int64_t M, int64_t N, int64_t K, int bf16, int threads);
+
+/* x: [B, H] hidden states, updated in place. Weights bf16, [out, in]; norms and the
+ * optional QKV bias in the activation dtype. cos/sin: [B, D]. */
+void xl_decode_layer(void* x, int64_t B, int64_t H, const void* ln1, const void* ln2, float eps,
+                     const uint16_t* w_qkv, const void* b_qkv, const uint16_t* w_o, const uint16_t* w_gate_up,
+                     const uint16_t* w_down, int64_t Hq, int64_t Hk, int64_t D, int64_t I, const void* cs,
+                     const void* sn, void* kc, void* vc, const int64_t* new_slots, const int64_t* slots,
+                     const int64_t* lens, int64_t L, float scale, int bf16, int threads) {
+  const int64_t es = bf16 ? 2 : 4, row = (Hq + 2 * Hk) * D;
+  char* h = malloc(B * H * es);
+  char* qkv = malloc(B * row * es);
+  char* attn = malloc(B * Hq * D * es);
+  char* gate_up = malloc(B * 2 * I * es);
+  char* act = malloc(B * I * es);
+  char* x2 = malloc(B * H * es);
+
+  xl_rmsnorm(x, ln1, h, B, H, eps, bf16);
+  xl_linear_bf16(h, w_qkv, b_qkv, NULL, qkv, B, row, H, bf16, threads);
+  xl_rope(qkv, cs, sn, B, row, Hq, Hk, D, bf16);
+  xl_decode_attention(qkv, qkv + Hq * D * es, qkv + (Hq + Hk) * D * es, row, new_slots, kc, vc, slots, lens,
+                      attn, B, Hq, Hk, D, L, scale, bf16, threads);
+  xl_linear_bf16(attn, w_o, NULL, x, x2, B, H, Hq * D, bf16, threads);
+  xl_rmsnorm(x2, ln2, h, B, H, eps, bf16);
+  xl_linear_bf16(h, w_gate_up, NULL, NULL, gate_up, B, 2 * I, H, bf16, threads);
+  xl_silu_mul(gate_up, act, B, I, bf16);
+  xl_linear_bf16(act, w_down, NULL, x2, x, B, H, I, bf16, threads);
+
+  free(h);
+  free(qkv);
+  free(attn);
+  free(gate_up);
+  free(act);
+  free(x2);
+}
