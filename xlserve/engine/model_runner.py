@@ -40,6 +40,7 @@ class ModelRunner:
         self.model.bind_kv_cache(self.kv_caches)
         self.kv_bytes = 2 * arch.num_layers * num_slots * arch.num_kv_heads * arch.head_dim * \
             torch.empty((), dtype=loaded.dtype).element_size()
+        self.fused_shapes = cpu_ops.supports_shape(arch.num_heads, arch.num_kv_heads, arch.head_dim)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.guided = guided
@@ -78,7 +79,7 @@ class ModelRunner:
                 mask[i, ..., :len(ctx)] = True
             meta.decode_rows = torch.tensor(decode_rows, device=self.device)
             meta.decode_lens = torch.tensor([len(c) for c in decode_ctx], device=self.device)
-            meta.fused_decode = (not prefills and len(decode_rows) <= cpu_ops.MAX_ROWS
+            meta.fused_decode = (not prefills and len(decode_rows) <= cpu_ops.MAX_ROWS and self.fused_shapes
                                  and self.device.type == "cpu" and cpu_ops.kernels() is not None
                                  and self.kv_caches[0][0].dtype in (torch.bfloat16, torch.float32))
             meta.decode_slots, meta.decode_mask = slots.to(self.device), mask.to(self.device)

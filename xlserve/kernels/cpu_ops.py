@@ -113,6 +113,11 @@ def kernels() -> ctypes.CDLL | None:
     return _lib
 
 
+def supports_shape(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """The kernels' fixed scratch: head_dim <= 1024 and at most 64 query heads per KV head."""
+    return head_dim <= MAX_HEAD_DIM and num_heads // num_kv_heads <= 64
+
+
 def usable(*tensors: torch.Tensor) -> bool:
     """Kernels apply: CPU, contiguous, bf16 or fp32 activations, library loaded."""
     return (all(t.device.type == "cpu" and t.is_contiguous() and t.dtype in (torch.bfloat16, torch.float32)

@@ -8,6 +8,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 static inline float bf16_to_f32(uint16_t v) {
@@ -128,26 +129,41 @@ void xl_decode_attention(const void* q, const void* k_new, const void* v_new, in
     memcpy((char*)kc + new_slots[b] * Hk * D * esize, (const char*)k_new + b * row * esize, Hk * D * esize);
     memcpy((char*)vc + new_slots[b] * Hk * D * esize, (const char*)v_new + b * row * esize, Hk * D * esize);
   }
+  /* One task per (sequence, kv head): each cached K/V row is read once for all the query
+   * heads that share it (grouped-query attention). */
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t bh = 0; bh < B * Hq; ++bh) {
-    const int64_t b = bh / Hq, h = bh % Hq, kh = h / group, n = lens[b];
-    float qv[1024], acc[1024];
-    float scores_stack[4096];
-    float* scores = n <= 4096 ? scores_stack : (float*)__builtin_alloca(sizeof(float) * n);
-    for (int64_t i = 0; i < D; ++i) qv[i] = ld(q, b * row + h * D + i, bf16);
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < n; ++j) {
-      float s = dot(qv, kc, (slots[b * L + j] * Hk + kh) * D, D, bf16) * scale;
-      scores[j] = s;
-      if (s > mx) mx = s;
+  for (int64_t bk = 0; bk < B * Hk; ++bk) {
+    const int64_t b = bk / Hk, kh = bk % Hk, n = lens[b];
+    float* qv = (float*)__builtin_alloca(sizeof(float) * group * D);
+    float* acc = (float*)__builtin_alloca(sizeof(float) * group * D);
+    float* scores = (float*)malloc(sizeof(float) * group * n);  /* heap: contexts can be long */
+    float mx[64], denom[64];  /* group <= 64, checked by the caller */
+    for (int64_t g = 0; g < group; ++g) {
+      for (int64_t i = 0; i < D; ++i) qv[g * D + i] = ld(q, b * row + (kh * group + g) * D + i, bf16);
+      mx[g] = -INFINITY;
+      denom[g] = 0.f;
     }
-    float denom = 0.f;
     for (int64_t j = 0; j < n; ++j) {
-      scores[j] = expf(scores[j] - mx);
-      denom += scores[j];
+      const int64_t base = (slots[b * L + j] * Hk + kh) * D;
+      for (int64_t g = 0; g < group; ++g) {
+        float s = dot(qv + g * D, kc, base, D, bf16) * scale;
+        scores[g * n + j] = s;
+        if (s > mx[g]) mx[g] = s;
+      }
     }
-    for (int64_t i = 0; i < D; ++i) acc[i] = 0.f;
-    for (int64_t j = 0; j < n; ++j) axpy(acc, scores[j] / denom, vc, (slots[b * L + j] * Hk + kh) * D, D, bf16);
-    for (int64_t i = 0; i < D; ++i) st(out, (b * Hq + h) * D + i, acc[i], bf16);
+    for (int64_t g = 0; g < group; ++g) {
+      for (int64_t j = 0; j < n; ++j) {
+        scores[g * n + j] = expf(scores[g * n + j] - mx[g]);
+        denom[g] += scores[g * n + j];
+      }
+      for (int64_t i = 0; i < D; ++i) acc[g * D + i] = 0.f;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t base = (slots[b * L + j] * Hk + kh) * D;
+      for (int64_t g = 0; g < group; ++g) axpy(acc + g * D, scores[g * n + j] / denom[g], vc, base, D, bf16);
+    }
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t i = 0; i < D; ++i) st(out, (b * Hq + kh * group + g) * D + i, acc[g * D + i], bf16);
+    free(scores);
   }
 }

@@ -116,12 +116,13 @@ static inline __m512i load_pairs(const uint16_t* p, int64_t remaining) {
       for (int m = 0; m < MR; ++m) out[m * N + r] = _mm512_reduce_add_ps(acc[r][m]);         \
   }
 
-BLOCK_DOTBF(8, 1) BLOCK_DOTBF(8, 2) BLOCK_DOTBF(8, 3) BLOCK_DOTBF(8, 4)
-BLOCK_DOTBF(1, 1) BLOCK_DOTBF(1, 2) BLOCK_DOTBF(1, 3) BLOCK_DOTBF(1, 4)
+/* 8 rows x 2 activation rows = 16 accumulators: more would spill the 32 zmm registers. */
+BLOCK_DOTBF(8, 1) BLOCK_DOTBF(8, 2)
+BLOCK_DOTBF(1, 1) BLOCK_DOTBF(1, 2)
 
 typedef void (*dotbf_fn)(const uint16_t*, const uint16_t*, int64_t, float*, int64_t);
-static const dotbf_fn DOTBF8[5] = {0, dotbf_8_1, dotbf_8_2, dotbf_8_3, dotbf_8_4};
-static const dotbf_fn DOTBF1[5] = {0, dotbf_1_1, dotbf_1_2, dotbf_1_3, dotbf_1_4};
+static const dotbf_fn DOTBF8[3] = {0, dotbf_8_1, dotbf_8_2};
+static const dotbf_fn DOTBF1[3] = {0, dotbf_1_1, dotbf_1_2};
 
 static void gemv_bf16_pairs(const uint16_t* x, const uint16_t* w, float* out, int64_t M, int64_t N, int64_t K,
                             int threads) {
@@ -130,8 +131,8 @@ static void gemv_bf16_pairs(const uint16_t* x, const uint16_t* w, float* out, in
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t n0 = b * ROW_BLOCK;
     const int64_t rows = N - n0 < ROW_BLOCK ? N - n0 : ROW_BLOCK;
-    for (int64_t m = 0; m < M; m += 4) {
-      const int64_t mr = M - m < 4 ? M - m : 4;
+    for (int64_t m = 0; m < M; m += 2) {
+      const int64_t mr = M - m < 2 ? M - m : 2;
       if (rows == ROW_BLOCK) {
         DOTBF8[mr](w + n0 * K, x + m * K, K, out + m * N + n0, N);
       } else {
