@@ -15,6 +15,8 @@ from typing import Sequence
 from xlserve.config import EngineConfig
 from xlserve.engine.detokenizer import Detokenizer
 from xlserve.engine.guided import GuidedDecoding
+from xlserve.engine.kv_blocks import DTYPE_NAMES, KVBlockStore, KVLayout, KVPayload
+from xlserve.hashing import BlockHash, block_hashes
 from xlserve.engine.model_runner import ModelRunner
 from xlserve.engine.outputs import CompletionOutput, RequestOutput
 from xlserve.engine.request import FinishReason, Request
@@ -42,6 +44,9 @@ class LLMEngine:
         self.extra_key = hashlib.blake2b(
             f"{self.loaded.source.path}|{self.loaded.dtype}".encode(), digest_size=8).digest()
         self.model_name = config.model.served_model_name or self.loaded.source.name
+        self.kv_store = KVBlockStore(self.scheduler.kv.pool, self.runner.kv_caches, KVLayout(
+            arch.num_layers, self.block_size, arch.num_kv_heads, arch.head_dim,
+            DTYPE_NAMES[self.loaded.dtype], self.extra_key.hex()))
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else set()
         self._detokenizers: dict[str, Detokenizer | None] = {}
         self.num_steps = 0
@@ -101,6 +106,8 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.kv_store.pins:
+            self.kv_store.expire_pins()
         sched_out = self.scheduler.schedule()
         runner_out = self.runner.execute(sched_out)
         advanced = self.scheduler.update(sched_out, runner_out.sampled, runner_out.logprobs)
@@ -134,6 +141,22 @@ class LLMEngine:
         return RequestOutput(req.request_id, req.prompt_token_ids, [completion], req.is_finished,
                              max(req.num_cached_tokens, 0), new_text, new_ids, metrics)
 
+    # -- KV blocks by hash (disaggregation, tiers) ---------------------------------
+    def prompt_block_hashes(self, prompt_ids: Sequence[int]) -> list[BlockHash]:
+        return block_hashes(list(prompt_ids), self.block_size, self.extra_key)
+
+    def export_kv(self, hashes: list[BlockHash]) -> KVPayload:
+        return self.kv_store.export(hashes)
+
+    def import_kv(self, payload: KVPayload) -> int:
+        return self.kv_store.import_(payload)
+
+    def pin_kv(self, hashes: list[BlockHash], seconds: float) -> tuple[str, int]:
+        return self.kv_store.pin(hashes, seconds)
+
+    def unpin_kv(self, pin_id: str) -> bool:
+        return self.kv_store.unpin(pin_id)
+
     # -- counters -----------------------------------------------------------------
     def stats(self) -> dict:
         kv = self.scheduler.kv
@@ -146,5 +169,6 @@ class LLMEngine:
             "prefix_cache_hit_tokens": kv.stats.hit_tokens,
             "prefix_cache_hit_ratio": kv.stats.hit_ratio,
             "num_preemptions": self.scheduler.num_preemptions,
+            "kv_pins": len(self.kv_store.pins),
             "num_steps": self.num_steps,
         }

@@ -1,0 +1,85 @@
+"""KV blocks exported from one engine and imported into another: the second engine gets a
+prefix hit and the same greedy output; pins hold blocks for a bounded time; bad payloads
+are refused."""
+
+import dataclasses
+
+import pytest
+
+from xlserve import LLM, SamplingParams
+from xlserve.engine.kv_blocks import KVPayload
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+PROMPT = list(range(20, 90))  # 70 tokens: 4 full blocks of 16
+
+
+def _llm(path, **kw):
+    return LLM(path, dtype="float32", kv_cache_tokens=1024, **kw)
+
+
+def test_exported_blocks_give_a_prefix_hit_and_identical_output(tiny_llama_dir):
+    colocated = _llm(tiny_llama_dir).generate(PROMPT, GREEDY)[0]
+    prefill, decode = _llm(tiny_llama_dir), _llm(tiny_llama_dir)
+    first = prefill.generate(PROMPT, SamplingParams(max_tokens=1, temperature=0))[0]
+    assert first.outputs[0].token_ids == colocated.outputs[0].token_ids[:1]
+    hashes = prefill.engine.prompt_block_hashes(PROMPT)
+    payload = prefill.engine.export_kv(hashes)
+    assert len(payload.block_hashes) == 4 and len(payload.data) == 4 * payload.layout.block_bytes
+    assert decode.engine.import_kv(payload) == 4
+    assert decode.engine.stats()["kv_blocks_used"] == 0  # imported blocks wait in the cache, unreferenced
+    out = decode.generate(PROMPT, GREEDY)[0]
+    assert out.cached_tokens == 64
+    assert out.outputs[0].token_ids == colocated.outputs[0].token_ids
+
+
+def test_export_stops_at_the_first_missing_block(tiny_llama_dir):
+    llm = _llm(tiny_llama_dir)
+    llm.generate(PROMPT[:40], SamplingParams(max_tokens=1))
+    assert len(llm.engine.export_kv(llm.engine.prompt_block_hashes(PROMPT)).block_hashes) == 2
+    assert llm.engine.export_kv(llm.engine.prompt_block_hashes([9] * 40)).block_hashes == []
+
+
+def test_layout_mismatch_and_bad_sizes_are_refused(tiny_llama_dir, tiny_model_dirs):
+    a, other = _llm(tiny_llama_dir), _llm(tiny_model_dirs["qwen3"])
+    a.generate(PROMPT, SamplingParams(max_tokens=1))
+    payload = a.engine.export_kv(a.engine.prompt_block_hashes(PROMPT))
+    with pytest.raises(ValueError, match="layout mismatch"):
+        other.engine.import_kv(payload)
+    with pytest.raises(ValueError, match="need"):
+        KVPayload(payload.layout, payload.block_hashes, payload.data[:-1])
+    bf16 = LLM(tiny_llama_dir, dtype="bfloat16", kv_cache_tokens=1024)
+    with pytest.raises(ValueError, match="layout mismatch"):
+        bf16.engine.import_kv(payload)
+    wrong_model = dataclasses.replace(payload.layout, model_key="00" * 8)
+    with pytest.raises(ValueError, match="layout mismatch"):
+        a.engine.import_kv(KVPayload(wrong_model, payload.block_hashes, payload.data))
+
+
+def test_pins_hold_blocks_until_released_or_expired(tiny_llama_dir):
+    llm = _llm(tiny_llama_dir, num_kv_blocks=8, block_size=16)
+    engine = llm.engine
+    llm.generate(PROMPT, SamplingParams(max_tokens=1))
+    hashes = engine.prompt_block_hashes(PROMPT)
+    pin_id, n = engine.pin_kv(hashes, seconds=60)
+    assert n == 4 and engine.stats()["kv_blocks_used"] == 4
+    llm.generate([5] * 60, SamplingParams(max_tokens=1))  # needs 4 blocks: only the unpinned ones are free
+    assert len(engine.export_kv(hashes).block_hashes) == 4  # the pinned prefix survived
+    assert engine.unpin_kv(pin_id) and not engine.unpin_kv(pin_id)
+    assert engine.stats()["kv_blocks_used"] == 0
+    pin_id, _ = engine.pin_kv(hashes, seconds=60)
+    assert engine.kv_store.expire_pins(now=float("inf")) == 1
+    assert engine.stats()["kv_blocks_used"] == 0 and engine.stats()["kv_pins"] == 0
+    with pytest.raises(ValueError, match="pin time"):
+        engine.pin_kv(hashes, seconds=0)
+
+
+def test_import_into_a_full_pool_stops_early(tiny_llama_dir):
+    src = _llm(tiny_llama_dir)
+    src.generate(PROMPT, SamplingParams(max_tokens=1))
+    payload = src.engine.export_kv(src.engine.prompt_block_hashes(PROMPT))
+    dst = _llm(tiny_llama_dir, num_kv_blocks=6, block_size=16)
+    pin_id, _ = dst.engine.pin_kv([], seconds=1)
+    held = dst.engine.scheduler.kv.pool.allocate(4)  # leave 2 free blocks
+    assert dst.engine.import_kv(payload) == 2
+    dst.engine.scheduler.kv.pool.free(held)
+    dst.engine.unpin_kv(pin_id)
