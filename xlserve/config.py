@@ -105,9 +105,22 @@ class ServerConfig:
     tool_parser: str = _opt("hermes", "Parser that turns model output into tool_calls.")
     log_level: str = _opt("info", "Log level: debug, info, warning, error.",
                           choices=("debug", "info", "warning", "error"))
+    role: str = _opt("both", "Worker role in prefill/decode disaggregation: both, prefill or decode.",
+                     choices=("both", "prefill", "decode"))
+    kv_transport: str = _opt("tcp", "How KV blocks travel between workers.")
+    kv_host: str = _opt("127.0.0.1", "Address the KV transfer server binds (prefill role).")
+    kv_port: int = _opt(0, "Port of the KV transfer server; 0 picks a free one.")
+    kv_pin_seconds: float = _opt(30.0, "How long exported KV blocks stay pinned for a decode worker to pull.")
+    kv_pull_timeout: float = _opt(10.0, "Seconds a decode worker waits for a KV pull.")
+    kv_pull_failure: str = _opt("recompute", "When a KV pull fails: recompute the prefill here, or fail.",
+                                choices=("recompute", "fail"))
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if not 0 < self.kv_pin_seconds <= 600:
+            raise ValueError(f"kv_pin_seconds must be in (0, 600], got {self.kv_pin_seconds}")
+        if not 0 < self.kv_pull_timeout <= 600:
+            raise ValueError(f"kv_pull_timeout must be in (0, 600], got {self.kv_pull_timeout}")

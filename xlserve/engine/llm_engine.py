@@ -69,6 +69,10 @@ class LLMEngine:
 
     def validate_request(self, ids: list[int], params: SamplingParams) -> None:
         """Refuse what can never run; reads only immutable state, so any thread may call it."""
+        vocab = self.loaded.arch.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids must be in [0, {vocab}); got {bad[:5]}")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is "
                              f"{self.max_model_len} tokens, so a prompt may have at most "

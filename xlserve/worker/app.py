@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from xlserve.config import ServerConfig
 from xlserve.worker.async_engine import EngineBusy, EngineDead
 from xlserve.worker.errors import ApiError, error_body
+from xlserve.worker.internal import add_internal_routes
 from xlserve.worker.protocol import ChatCompletionRequest, CompletionRequest
 from xlserve.worker.serving_chat import ChatHandler
 from xlserve.worker.serving_common import WorkerState
@@ -130,4 +131,5 @@ def build_app(state: WorkerState, config: ServerConfig) -> FastAPI:
             return StreamingResponse(await completions.stream(req), media_type="text/event-stream")
         return await until_disconnected(request, completions.complete(req))
 
+    app.state.disaggregation = add_internal_routes(app, state, config, api, read_json)
     return app

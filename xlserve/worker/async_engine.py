@@ -8,6 +8,7 @@ engine thread through a queue; outputs come back with ``call_soon_threadsafe``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -110,6 +111,20 @@ class AsyncEngine:
         if abort:
             self._commands.put(("abort", request_id))
 
+    async def call(self, fn, *args):
+        """Run ``fn(engine, *args)`` on the engine thread (the engine is single-threaded)."""
+        if self.dead is not None:
+            raise EngineDead(str(self.dead))
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", fn, args, future))
+        return await asyncio.wrap_future(future)
+
+    def call_blocking(self, fn, *args, timeout: float = 30.0):
+        """``call`` for plain threads (the KV transfer server's handlers)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", fn, args, future))
+        return future.result(timeout=timeout)
+
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
@@ -137,6 +152,12 @@ class AsyncEngine:
                 self._deliver(request_id, e)
         elif kind == "abort":
             self.engine.abort_request(command[1])
+        elif kind == "call":
+            _, fn, args, future = command
+            try:
+                future.set_result(fn(self.engine, *args))
+            except Exception as e:  # delivered to the caller
+                future.set_exception(e)
 
     def _run(self) -> None:
         try:

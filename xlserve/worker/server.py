@@ -26,11 +26,12 @@ def build_state(engine_config: EngineConfig) -> WorkerState:
 def run_worker(engine_config: EngineConfig, server_config: ServerConfig) -> None:
     state = build_state(engine_config)
     app = build_app(state, server_config)
-    log.info("serving %s on http://%s:%d (max context %d tokens, %d KV blocks of %d)",
-             state.model_name, server_config.host, server_config.port, state.max_model_len,
-             state.engine.num_blocks, state.engine.block_size)
+    log.info("serving %s on http://%s:%d as %s (max context %d tokens, %d KV blocks of %d, KV transfer %s)",
+             state.model_name, server_config.host, server_config.port, server_config.role, state.max_model_len,
+             state.engine.num_blocks, state.engine.block_size, app.state.disaggregation.address)
     try:
         uvicorn.run(app, host=server_config.host, port=server_config.port,
                     log_level=server_config.log_level, access_log=False, timeout_graceful_shutdown=5)
     finally:
+        app.state.disaggregation.stop()
         state.async_engine.shutdown()

@@ -1,0 +1,106 @@
+"""Prefill/decode disaggregation between two real worker processes on 127.0.0.1: the
+prefill worker computes the prompt and pins its KV, the decode worker pulls it over TCP
+and generates. Output equals a colocated run; failed pulls follow the policy; no pinned
+block is left behind."""
+
+import json
+
+import httpx
+import pytest
+
+from tests.e2e.server_process import metric, running_server
+
+PROMPT_TEXT = ("You are a careful assistant. " * 20) + "Name three rivers in Europe."
+SAMPLING = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def workers():
+    common = ("--dtype", "float32", "--log-level", "warning")
+    with running_server("--role", "prefill", *common) as p, running_server("--role", "decode", *common) as d:
+        yield p, d
+
+
+def _ids(url):
+    from xlserve.loader.gguf_file import GGUFFile
+    from xlserve.loader.model_source import default_model_path
+    from xlserve.loader.tokenizer import load_gguf_tokenizer
+    tok = load_gguf_tokenizer(GGUFFile(default_model_path()).meta)
+    return tok.encode_chat([{"role": "user", "content": PROMPT_TEXT}])
+
+
+def _generate(url, **body):
+    r = httpx.post(f"{url}/internal/generate", json=body, timeout=120)
+    return r
+
+
+def _wait_unpinned(url):
+    assert metric(url, "xlserve_kv_blocks_used") == 0
+
+
+def test_pd_equals_colocated_and_releases_pins(workers):
+    p, d = workers
+    ids = _ids(p)
+    colocated = _generate(d, prompt_token_ids=ids, sampling=SAMPLING).json()
+    first = _generate(p, prompt_token_ids=ids, sampling=SAMPLING, kv_export=True).json()
+    assert first["token_ids"] == colocated["token_ids"][:1]
+    handle = first["kv"]
+    assert handle["transport"] == "tcp" and len(handle["block_hashes"]) == len(ids) // 16
+    assert metric(p, "xlserve_kv_blocks_used") == len(ids) // 16  # pinned for the pull
+    second = _generate(d, prompt_token_ids=ids + first["token_ids"], kv_import=handle,
+                       sampling={**SAMPLING, "max_tokens": SAMPLING["max_tokens"] - 1}).json()
+    assert second["kv_import"]["blocks"] == len(ids) // 16 and second["kv_import"]["error"] is None
+    assert second["cached_tokens"] >= (len(ids) // 16) * 16 - 16
+    assert first["token_ids"] + second["token_ids"] == colocated["token_ids"]
+    assert httpx.post(f"{p}/internal/kv/release", json={"pin_id": handle["pin_id"]}).json() == {"released": True}
+    _wait_unpinned(p)
+
+
+def test_pd_streamed_equals_colocated(workers):
+    p, d = workers
+    ids = _ids(p)[:-3] + [28, 29, 30]  # a prompt the decode worker has not cached
+    colocated = _generate(p, prompt_token_ids=ids, sampling=SAMPLING).json()["token_ids"]
+    first = _generate(p, prompt_token_ids=ids, sampling=SAMPLING, kv_export=True).json()
+    tokens, final = [], None
+    body = {"prompt_token_ids": ids + first["token_ids"], "kv_import": first["kv"], "stream": True,
+            "sampling": {**SAMPLING, "max_tokens": SAMPLING["max_tokens"] - 1}}
+    with httpx.stream("POST", f"{d}/internal/generate", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                tokens += event["token_ids"]
+                final = event if event["finish_reason"] else final
+    assert first["token_ids"] + tokens == colocated
+    assert final["kv_import"]["blocks"] > 0
+    httpx.post(f"{p}/internal/kv/release", json={"pin_id": first["kv"]["pin_id"]})
+    _wait_unpinned(p)
+
+
+def test_failed_pull_recomputes_or_fails_and_leaves_no_pin(workers):
+    p, d = workers
+    ids = _ids(p)[:-3] + [40, 41, 42]
+    colocated = _generate(p, prompt_token_ids=ids, sampling=SAMPLING).json()["token_ids"]
+    first = _generate(p, prompt_token_ids=ids, sampling=SAMPLING, kv_export=True).json()
+    broken = {**first["kv"], "port": 1}  # nothing listens there
+    rest = {**SAMPLING, "max_tokens": SAMPLING["max_tokens"] - 1}
+    recomputed = _generate(d, prompt_token_ids=ids + first["token_ids"], kv_import=broken, sampling=rest,
+                           on_pull_failure="recompute").json()
+    assert recomputed["kv_import"]["error"] and recomputed["kv_import"]["blocks"] == 0
+    assert first["token_ids"] + recomputed["token_ids"] == colocated
+    failed = _generate(d, prompt_token_ids=ids + first["token_ids"], kv_import=broken, sampling=rest,
+                       on_pull_failure="fail")
+    assert failed.status_code == 502 and "KV pull failed" in failed.json()["error"]["message"]
+    httpx.post(f"{p}/internal/kv/release", json={"pin_id": first["kv"]["pin_id"]})
+    _wait_unpinned(p)
+    assert metric(d, "xlserve_kv_blocks_used") == 0
+
+
+def test_roles_and_bad_internal_requests(workers):
+    p, d = workers
+    assert httpx.get(f"{p}/internal/info").json()["role"] == "prefill"
+    info = httpx.get(f"{d}/internal/info").json()
+    assert info["role"] == "decode" and info["kv"] is None
+    assert _generate(d, prompt_token_ids=[1, 2, 3], kv_export=True).status_code == 400
+    assert _generate(d, prompt_token_ids=[]).status_code == 400
+    assert _generate(d, prompt_token_ids=[1, 2], sampling={"top_p": 2.0}).status_code == 400
+    assert _generate(d, prompt_token_ids=[10 ** 9]).status_code == 400

@@ -1,0 +1,171 @@
+"""Internal worker endpoints for prefill/decode disaggregation (called by the router).
+
+- ``POST /internal/generate``: token ids in, tokens out (streamed or not). With
+  ``kv_export`` (prefill role) it computes the prompt, answers the first token and a KV
+  handle, and pins the prompt's blocks for a bounded time. With ``kv_import`` (decode
+  role) it first pulls those blocks through the transport into its own pool; if the
+  pull fails it recomputes the prefill itself, or fails, as the policy says.
+- ``POST /internal/kv/release``: unpin exported blocks once the decode side has them.
+- ``GET /internal/info``: role, model, block size and KV transfer address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from pydantic import Field
+
+from xlserve.config import ServerConfig
+from xlserve.sampling_params import SamplingParams
+from xlserve.transfer.base import TransferError, transport
+from xlserve.worker.choices import ChoiceRun, RequestRun, start_choices
+from xlserve.worker.errors import ApiError
+from xlserve.worker.protocol import Strict
+from xlserve.worker.serving_common import WorkerState, new_id, sse
+
+MAX_PROMPT_IDS = 1_000_000
+
+
+class InternalSampling(Strict):
+    max_tokens: int = Field(default=16, ge=1)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list, max_length=16)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+
+
+class InternalGenerateRequest(Strict):
+    request_id: str | None = Field(default=None, max_length=128)
+    prompt_token_ids: list[int] = Field(min_length=1, max_length=MAX_PROMPT_IDS)
+    sampling: InternalSampling = Field(default_factory=InternalSampling)
+    stream: bool = False
+    kv_export: bool = False
+    kv_import: dict | None = None
+    on_pull_failure: Literal["recompute", "fail"] | None = None
+
+
+class KVRelease(Strict):
+    pin_id: str = Field(max_length=64)
+
+
+class Disaggregation:
+    """The worker's side of the P -> D hand-off: a transfer server (prefill) or client (decode)."""
+
+    def __init__(self, state: WorkerState, config: ServerConfig):
+        self.state, self.config = state, config
+        server_cls, client_cls = transport(config.kv_transport)
+        self.client = client_cls()
+        self.server = None
+        self.address: dict | None = None
+        if config.role in ("prefill", "both"):
+            engine = state.async_engine
+            self.server = server_cls(lambda hashes: engine.call_blocking(lambda e, h: e.export_kv(h), hashes),
+                                     config.kv_host, config.kv_port)
+            self.address = self.server.start()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+    async def pull(self, handle: dict, policy: str) -> dict:
+        start = time.monotonic()
+        try:
+            payload = await asyncio.to_thread(self.client.pull, handle, self.config.kv_pull_timeout)
+            blocks = await self.state.async_engine.call(lambda e, p: e.import_kv(p), payload)
+            return {"blocks": blocks, "bytes": len(payload.data), "seconds": time.monotonic() - start, "error": None}
+        except (TransferError, ValueError) as e:
+            if policy == "fail":
+                raise ApiError(502, f"KV pull failed and the policy is 'fail': {e}", code="kv_pull_failed") from e
+            return {"blocks": 0, "bytes": 0, "seconds": time.monotonic() - start, "error": str(e)}
+
+    async def pin(self, prompt_ids: list[int]) -> dict | None:
+        if self.address is None:
+            return None
+        engine = self.state.async_engine
+
+        def pin(e, ids):
+            hashes = e.prompt_block_hashes(ids)
+            pin_id, n = e.pin_kv(hashes, self.config.kv_pin_seconds)
+            return pin_id, [h.hex() for h in hashes[:n]]
+        pin_id, hashes = await engine.call(pin, prompt_ids)
+        return {**self.address, "pin_id": pin_id, "block_hashes": hashes}
+
+
+def add_internal_routes(app: FastAPI, state: WorkerState, config: ServerConfig, api, read_json) -> Disaggregation:
+    disagg = Disaggregation(state, config)
+
+    @app.get("/internal/info", dependencies=api)
+    async def info():
+        return {"role": config.role, "model": state.model_name, "block_size": state.engine.block_size,
+                "max_model_len": state.max_model_len, "kv": disagg.address}
+
+    @app.post("/internal/kv/release", dependencies=api)
+    async def release(request: Request):
+        req = await read_json(request, KVRelease, config.max_body_bytes)
+        return {"released": await state.async_engine.call(lambda e, p: e.unpin_kv(p), req.pin_id)}
+
+    @app.post("/internal/generate", dependencies=api)
+    async def generate(request: Request):
+        req = await read_json(request, InternalGenerateRequest, config.max_body_bytes)
+        if req.kv_export and disagg.address is None:
+            raise ApiError(400, f"this worker's role is {config.role!r}; kv_export needs prefill or both")
+        try:
+            params = SamplingParams(**{**req.sampling.model_dump(), "stop": tuple(req.sampling.stop),
+                                       "stop_token_ids": tuple(req.sampling.stop_token_ids)})
+        except ValueError as e:
+            raise ApiError(400, str(e), "sampling") from e
+        if req.kv_export:
+            params = dataclasses.replace(params, max_tokens=1)
+        pulled = None
+        if req.kv_import is not None:
+            pulled = await disagg.pull(req.kv_import, req.on_pull_failure or config.kv_pull_failure)
+        run = RequestRun(req.request_id or new_id("int"), [ChoiceRun(0, list(req.prompt_token_ids), params)])
+        events = start_choices(state.async_engine, run, state.metrics)
+        if req.stream:
+            return StreamingResponse(_stream(run, events, pulled), media_type="text/event-stream")
+        async for _ in events:
+            pass
+        out = run.choices[0].final
+        body = _summary(out, pulled)
+        if req.kv_export:
+            body["kv"] = await disagg.pin(list(req.prompt_token_ids))
+        return body
+
+    return disagg
+
+
+def _summary(out, pulled) -> dict:
+    completion = out.outputs[0]
+    return {"request_id": out.request_id, "token_ids": completion.token_ids, "text": completion.text,
+            "finish_reason": completion.finish_reason, "prompt_tokens": len(out.prompt_token_ids),
+            "cached_tokens": out.cached_tokens, "kv_import": pulled}
+
+
+async def _stream(run: RequestRun, events, pulled):
+    try:
+        async for _, out in events:
+            event = {"token_ids": out.new_token_ids, "text": out.new_text,
+                     "finish_reason": out.outputs[0].finish_reason if out.finished else None}
+            if out.finished:
+                event |= {"prompt_tokens": len(out.prompt_token_ids), "cached_tokens": out.cached_tokens,
+                          "kv_import": pulled}
+            yield sse(event)
+    except Exception as e:  # noqa: BLE001 - an error event, never a hung stream
+        yield sse({"error": {"message": str(e), "type": "internal_error"}})
+    finally:
+        await events.aclose()
+    yield sse("[DONE]")
+
