@@ -37,6 +37,16 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_router(args) -> int:
+    from xlserve.router.app import RouterOptions, run_router
+    _setup_logging(args.log_level)
+    opts = RouterOptions(prefill=tuple(args.prefill), decode=tuple(args.decode), both=tuple(args.both),
+                         policy=args.policy, affinity=not args.no_affinity, model=args.model,
+                         worker_api_key=args.worker_api_key)
+    run_router(opts, config_from_args(args, ServerConfig))
+    return 0
+
+
 def cmd_generate(args) -> int:
     from xlserve import LLM, SamplingParams
     _setup_logging("warning")
@@ -67,6 +77,19 @@ def build_parser() -> argparse.ArgumentParser:
         _add_engine_args(p)
         add_config_args(p, ServerConfig, "server")
         p.set_defaults(func=cmd_serve)
+    r = sub.add_parser("router", help="the front door: OpenAI API over prefill/decode workers",
+                       description="Route OpenAI-compatible requests over workers: prefill on one, KV hand-off, "
+                                   "decode on another; cache-aware, token-aware, x-session-affinity.")
+    r.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="prefill workers")
+    r.add_argument("--decode", nargs="*", default=[], metavar="URL", help="decode workers")
+    r.add_argument("--both", nargs="*", default=[], metavar="URL", help="colocated workers (prefill and decode)")
+    r.add_argument("--policy", default="cache_aware", choices=("round_robin", "least_tokens", "cache_aware"),
+                   help="how workers are picked")
+    r.add_argument("--no-affinity", action="store_true", help="ignore the x-session-affinity header")
+    r.add_argument("--model", default="default", help="the workers' model, for the tokenizer and chat template")
+    r.add_argument("--worker-api-key", default="", help="API key the workers expect, if any")
+    add_config_args(r, ServerConfig, "server")
+    r.set_defaults(func=cmd_router)
     g = sub.add_parser("generate", help="generate text for one prompt and print it",
                        description="Generate text for one prompt with the offline engine.")
     g.add_argument("--prompt", required=True, help="prompt text")

@@ -18,9 +18,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(*args: str, timeout: float = 180.0):
+def running_server(*args: str, timeout: float = 180.0, command: str = "serve"):
     port = free_port()
-    cmd = [sys.executable, "-m", "xlserve.cli", "serve", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "xlserve.cli", command, "--port", str(port), *args]
     log = open(os.devnull, "w") if os.environ.get("XLSERVE_TEST_QUIET") else None
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None)
     url = f"http://127.0.0.1:{port}"

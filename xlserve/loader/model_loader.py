@@ -76,3 +76,11 @@ def load_model(config: ModelConfig) -> LoadedModel:
     log.info("loaded %s (%s, %s, %s) on %s", source.name, arch.architecture, source.kind,
              str(dtype).removeprefix("torch."), device)
     return LoadedModel(source, arch, model, tokenizer, dtype, device)
+
+
+def load_tokenizer(model: str) -> Tokenizer | None:
+    """Only the tokenizer (and chat template) of a model, without its weights."""
+    source = resolve_model(model)
+    if source.kind == "gguf":
+        return load_gguf_tokenizer(GGUFFile(source.path).meta)
+    return load_hf_tokenizer(source.path, SafetensorsDir(source.path).config)

@@ -66,8 +66,12 @@ async def until_disconnected(request: Request, work):
     return JSONResponse(task.result())
 
 
-def build_app(state: WorkerState, config: ServerConfig) -> FastAPI:
-    app = FastAPI(title="xlserve worker", docs_url=None, redoc_url=None)
+def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
+              request_hook=None, title: str = "xlserve worker") -> FastAPI:
+    """The OpenAI-compatible app. ``internal``: add the disaggregation endpoints (workers);
+    ``request_hook(request)``: called first on each generation request (the router reads
+    its session header there)."""
+    app = FastAPI(title=title, docs_url=None, redoc_url=None)
     chat, completions = ChatHandler(state, config.tool_parser), CompletionHandler(state)
 
     def error_response(status: int, message: str, **kw) -> JSONResponse:
@@ -119,6 +123,8 @@ def build_app(state: WorkerState, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=api)
     async def chat_completions(request: Request):
+        if request_hook is not None:
+            request_hook(request)
         req = await read_json(request, ChatCompletionRequest, config.max_body_bytes)
         if req.stream:
             return StreamingResponse(await chat.stream(req), media_type="text/event-stream")
@@ -126,10 +132,13 @@ def build_app(state: WorkerState, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=api)
     async def text_completions(request: Request):
+        if request_hook is not None:
+            request_hook(request)
         req = await read_json(request, CompletionRequest, config.max_body_bytes)
         if req.stream:
             return StreamingResponse(await completions.stream(req), media_type="text/event-stream")
         return await until_disconnected(request, completions.complete(req))
 
-    app.state.disaggregation = add_internal_routes(app, state, config, api, read_json)
+    if internal:
+        app.state.disaggregation = add_internal_routes(app, state, config, api, read_json)
     return app

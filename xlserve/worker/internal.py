@@ -21,7 +21,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import Field
 
 from xlserve.config import ServerConfig
-from xlserve.sampling_params import SamplingParams
+from xlserve.sampling_params import GuidedSpec, SamplingParams
 from xlserve.transfer.base import TransferError, transport
 from xlserve.worker.choices import ChoiceRun, RequestRun, start_choices
 from xlserve.worker.errors import ApiError
@@ -45,6 +45,7 @@ class InternalSampling(Strict):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    guided: dict[str, str] | None = None  # {"kind": ..., "spec": ...}
 
 
 class InternalGenerateRequest(Strict):
@@ -110,7 +111,8 @@ def add_internal_routes(app: FastAPI, state: WorkerState, config: ServerConfig, 
     @app.get("/internal/info", dependencies=api)
     async def info():
         return {"role": config.role, "model": state.model_name, "block_size": state.engine.block_size,
-                "max_model_len": state.max_model_len, "kv": disagg.address}
+                "max_model_len": state.max_model_len, "kv": disagg.address,
+                "kv_extra_key": state.engine.extra_key.hex(), "model_path": state.engine.loaded.source.path}
 
     @app.post("/internal/kv/release", dependencies=api)
     async def release(request: Request):
@@ -123,8 +125,11 @@ def add_internal_routes(app: FastAPI, state: WorkerState, config: ServerConfig, 
         if req.kv_export and disagg.address is None:
             raise ApiError(400, f"this worker's role is {config.role!r}; kv_export needs prefill or both")
         try:
-            params = SamplingParams(**{**req.sampling.model_dump(), "stop": tuple(req.sampling.stop),
-                                       "stop_token_ids": tuple(req.sampling.stop_token_ids)})
+            fields = req.sampling.model_dump()
+            guided = GuidedSpec(**fields.pop("guided")) if req.sampling.guided else None
+            fields.pop("guided", None)
+            params = SamplingParams(**{**fields, "stop": tuple(req.sampling.stop),
+                                       "stop_token_ids": tuple(req.sampling.stop_token_ids), "guided": guided})
         except ValueError as e:
             raise ApiError(400, str(e), "sampling") from e
         if req.kv_export:
@@ -151,14 +156,16 @@ def _summary(out, pulled) -> dict:
     completion = out.outputs[0]
     return {"request_id": out.request_id, "token_ids": completion.token_ids, "text": completion.text,
             "finish_reason": completion.finish_reason, "prompt_tokens": len(out.prompt_token_ids),
-            "cached_tokens": out.cached_tokens, "kv_import": pulled}
+            "cached_tokens": out.cached_tokens, "kv_import": pulled, "logprobs": completion.logprobs}
 
 
 async def _stream(run: RequestRun, events, pulled):
     try:
         async for _, out in events:
+            logprobs = out.outputs[0].logprobs
             event = {"token_ids": out.new_token_ids, "text": out.new_text,
-                     "finish_reason": out.outputs[0].finish_reason if out.finished else None}
+                     "finish_reason": out.outputs[0].finish_reason if out.finished else None,
+                     "logprobs": logprobs[-len(out.new_token_ids):] if logprobs and out.new_token_ids else None}
             if out.finished:
                 event |= {"prompt_tokens": len(out.prompt_token_ids), "cached_tokens": out.cached_tokens,
                           "kv_import": pulled}

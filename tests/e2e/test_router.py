@@ -1,0 +1,83 @@
+"""The router in front of real prefill and decode workers, driven by the openai client."""
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.server_process import metric, running_server
+
+MODEL = "SmolLM2-135M-Instruct"
+SYSTEM = "You are a meticulous travel assistant. " * 25
+QUESTION = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name three rivers in Europe."}]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    common = ("--dtype", "float32", "--log-level", "warning")
+    with running_server("--role", "prefill", *common) as p, running_server("--role", "decode", *common) as d, \
+            running_server("--prefill", p, "--decode", d, "--log-level", "warning", command="router") as pd, \
+            running_server("--both", p, d, "--policy", "least_tokens", "--log-level", "warning",
+                           command="router") as pair:
+        yield {"p": p, "d": d, "router": pd, "pair": pair}
+
+
+def _client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_pd_greedy_equals_colocated_streamed_and_not(cluster):
+    kw = dict(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0)
+    colocated = _client(cluster["d"]).chat.completions.create(**kw).choices[0].message.content
+    routed = _client(cluster["router"]).chat.completions.create(**kw)
+    assert routed.choices[0].message.content == colocated
+    stream = _client(cluster["router"]).chat.completions.create(stream=True, stream_options={"include_usage": True},
+                                                                **kw)
+    text, usage = "", None
+    for chunk in stream:
+        text += "".join(c.delta.content or "" for c in chunk.choices)
+        usage = chunk.usage or usage
+    assert text == colocated
+    assert usage.completion_tokens == routed.usage.completion_tokens
+    assert metric(cluster["p"], "xlserve_kv_blocks_used") == 0  # pins released
+    assert metric(cluster["d"], "xlserve_kv_blocks_used") == 0
+
+
+def test_second_turn_reports_cached_prefix_through_the_router(cluster):
+    client = _client(cluster["router"])
+    first = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0)
+    turn2 = QUESTION + [{"role": "assistant", "content": first.choices[0].message.content},
+                        {"role": "user", "content": "And three in Asia?"}]
+    second = client.chat.completions.create(model=MODEL, messages=turn2, max_tokens=8, temperature=0)
+    shared = first.usage.prompt_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens >= shared - 16
+    stream = client.chat.completions.create(model=MODEL, messages=turn2, max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    usage = [c.usage for c in stream if c.usage][-1]
+    assert usage.prompt_tokens_details.cached_tokens >= shared - 16
+
+
+def _served(url):
+    text = httpx.get(f"{url}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("xlserve_requests_total{"))
+
+
+def test_session_affinity_keeps_a_session_on_one_worker(cluster):
+    client = _client(cluster["pair"])
+    before = {w: _served(cluster[w]) for w in ("p", "d")}
+    for i in range(4):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"Question {i}"}],
+                                       max_tokens=4, temperature=0, extra_headers={"x-session-affinity": "agent-7"})
+    grown = {w: _served(cluster[w]) - before[w] for w in ("p", "d")}
+    assert sorted(grown.values()) == [0, 4]  # all four turns on one worker, the other idle
+    workers = httpx.get(f"{cluster['pair']}/router/workers").json()
+    assert all(w["healthy"] for w in workers) and len(workers) == 2
+
+
+def test_router_metrics_and_errors(cluster):
+    text = httpx.get(f"{cluster['router']}/metrics").text
+    for name in ("xlserve_router_decisions_total", "xlserve_router_inflight_tokens", "xlserve_kv_transfer_bytes_total",
+                 "xlserve_time_to_first_token_seconds_bucket", "xlserve_inter_token_latency_seconds_bucket"):
+        assert name in text, name
+    r = httpx.post(f"{cluster['router']}/v1/chat/completions", json={"messages": [], "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["message"]

@@ -1,0 +1,99 @@
+"""The router: the worker's OpenAI API in front of a pool of workers.
+
+It tokenizes once (its own copy of the model's tokenizer and chat template), then hands
+token ids to workers through ``RemoteEngine`` (prefill -> KV hand-off -> decode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from xlserve.config import ServerConfig
+from xlserve.loader.model_loader import load_tokenizer
+from xlserve.router.index import PrefixIndex
+from xlserve.router.metrics import RouterMetrics
+from xlserve.router.policies import make_policy
+from xlserve.router.pool import WorkerPool
+from xlserve.router.remote_engine import SESSION, RemoteEngine, WorkerFailed
+from xlserve.worker.app import build_app
+from xlserve.worker.errors import error_body
+from xlserve.worker.serving_common import WorkerState
+
+log = logging.getLogger("xlserve.router")
+SESSION_HEADER = "x-session-affinity"
+
+
+@dataclass(frozen=True)
+class RouterOptions:
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    both: tuple[str, ...] = ()
+    policy: str = "cache_aware"
+    affinity: bool = True
+    model: str = "default"
+    worker_api_key: str = ""
+    health_interval: float = 2.0
+
+
+class RouterFront:
+    """What the OpenAI handlers need of an engine, for a router: tokenizer and limits."""
+
+    def __init__(self, tokenizer, info: dict, remote: RemoteEngine):
+        self.tokenizer = tokenizer
+        self.max_model_len = int(info["max_model_len"])
+        self.block_size = int(info["block_size"])
+        self.remote = remote
+
+    def tokenize(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        return ids
+
+
+def build_router_app(opts: RouterOptions, config: ServerConfig):
+    pool = WorkerPool(list(opts.prefill), list(opts.decode), list(opts.both), opts.worker_api_key)
+    info = asyncio.run(pool.info())
+    tokenizer = load_tokenizer(opts.model)
+    metrics = RouterMetrics(pool, info["model"], opts.policy)
+    remote = RemoteEngine(pool, make_policy(opts.policy, opts.affinity, int(info["block_size"])), PrefixIndex(),
+                          info, metrics)
+    state = WorkerState(RouterFront(tokenizer, info, remote), remote, metrics, info["model"])
+
+    def hook(request: Request) -> None:
+        SESSION.set(request.headers.get(SESSION_HEADER))
+
+    app = build_app(state, config, internal=False, request_hook=hook, title="xlserve router")
+
+    @app.exception_handler(WorkerFailed)
+    async def _worker_failed(_, e: WorkerFailed):
+        return JSONResponse(error_body(502, f"worker failed: {e}"), status_code=502)
+
+    @app.on_event("startup")
+    async def _health():
+        app.state.health_task = asyncio.create_task(pool.health_loop(opts.health_interval))
+
+    @app.get("/router/workers")
+    async def workers():
+        return [{"url": w.url, "role": w.role, "healthy": w.healthy, "prefill_tokens": w.prefill_tokens,
+                 "decode_tokens": w.decode_tokens} for w in pool.workers]
+
+    return app
+
+
+def run_router(opts: RouterOptions, config: ServerConfig) -> None:
+    app = build_router_app(opts, config)
+    log.info("router on http://%s:%d: policy %s%s, prefill %s, decode %s, both %s", config.host, config.port,
+             opts.policy, " + session affinity" if opts.affinity else "", list(opts.prefill), list(opts.decode),
+             list(opts.both))
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
+                timeout_graceful_shutdown=5)

@@ -1,0 +1,38 @@
+"""Router metrics: the worker's request histograms plus routing and transfer facts."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from xlserve.router.pool import WorkerPool
+from xlserve.worker.metrics import WorkerMetrics
+
+
+class RouterMetrics(WorkerMetrics):
+    def __init__(self, pool: WorkerPool, model_name: str, policy: str):
+        super().__init__(lambda: {}, model_name)
+        r = self.registry
+        self.decisions = Counter("xlserve_router_decisions", "Routing decisions", ["policy", "stage", "worker"],
+                                 registry=r)
+        self.predicted_cached = Counter("xlserve_router_predicted_cached_tokens",
+                                        "Prompt tokens the index predicted cached on the chosen worker", registry=r)
+        self.transfer_bytes = Counter("xlserve_kv_transfer_bytes", "KV bytes pulled by decode workers", registry=r)
+        self.transfer_seconds = Histogram("xlserve_kv_transfer_seconds", "KV pull latency", registry=r)
+        self.transfer_failures = Counter("xlserve_kv_transfer_failures", "KV pulls that failed", registry=r)
+        inflight = Gauge("xlserve_router_inflight_tokens", "In-flight tokens per worker", ["worker", "kind"],
+                         registry=r)
+        for w in pool.workers:
+            inflight.labels(worker=w.url, kind="prefill").set_function(lambda w=w: w.prefill_tokens)
+            inflight.labels(worker=w.url, kind="decode").set_function(lambda w=w: w.decode_tokens)
+        self.policy = policy
+
+    def observe_route(self, stage: str, worker: str, predicted_cached: int) -> None:
+        self.decisions.labels(policy=self.policy, stage=stage, worker=worker).inc()
+        self.predicted_cached.inc(predicted_cached)
+
+    def observe_transfer(self, info: dict) -> None:
+        if info.get("error"):
+            self.transfer_failures.inc()
+            return
+        self.transfer_bytes.inc(info.get("bytes", 0))
+        self.transfer_seconds.observe(info.get("seconds", 0.0))

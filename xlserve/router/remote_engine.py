@@ -1,0 +1,227 @@
+"""The router's engine: the same ``submit() -> stream of RequestOutput`` contract as the
+worker's ``AsyncEngine``, served by remote workers. So the router reuses the worker's
+whole OpenAI layer (chat templates, tools, n, usage, SSE) unchanged.
+
+Per request: pick a prefill worker and a decode worker; the prefill worker computes the
+prompt and answers the first token (emitted at once: TTFT is the prefill's) with a KV
+handle; the decode worker pulls the blocks and streams the rest. ``cached_tokens`` is the
+prefill's. A worker that fails before the first token is marked down and the request is
+retried on another; guided requests run on one worker (the grammar state lives there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import logging
+import time
+from dataclasses import asdict
+
+import httpx
+
+from xlserve.engine.outputs import CompletionOutput, RequestOutput
+from xlserve.hashing import block_hashes
+from xlserve.router.index import PrefixIndex
+from xlserve.router.policies import RouteRequest, RoutingPolicy
+from xlserve.router.pool import Worker, WorkerPool
+from xlserve.sampling_params import SamplingParams
+from xlserve.worker.async_engine import EngineBusy
+
+log = logging.getLogger(__name__)
+SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("session", default=None)
+SERVED_BY: contextvars.ContextVar[list | None] = contextvars.ContextVar("served_by", default=None)
+
+
+class WorkerFailed(Exception):
+    pass
+
+
+def sampling_json(params: SamplingParams) -> dict:
+    out = asdict(params)
+    out["stop"], out["stop_token_ids"] = list(params.stop), list(params.stop_token_ids)
+    for key in ("include_stop_str_in_output", "skip_special_tokens"):
+        out.pop(key)
+    return out
+
+
+class _Accumulator:
+    """Builds cumulative ``RequestOutput``s from token/text deltas."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int]):
+        self.request_id, self.prompt_ids = request_id, prompt_ids
+        self.ids: list[int] = []
+        self.text, self.logprobs, self.cached = "", [], 0
+
+    def add(self, ids, text, logprobs, finish) -> RequestOutput:
+        self.ids += ids
+        self.text += text
+        self.logprobs += logprobs or []
+        completion = CompletionOutput(0, self.text, list(self.ids), finish, list(self.logprobs))
+        return RequestOutput(self.request_id, self.prompt_ids, [completion], finish is not None, self.cached,
+                             text, list(ids))
+
+
+class RemoteStream:
+    """The worker-side ``RequestStream`` contract over an async generator: ``close()`` from
+    synchronous code ends it (releasing pins, closing the decode stream, which aborts the
+    request on the worker)."""
+
+    def __init__(self, gen):
+        self.gen = gen
+        self.closed = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        return await self.gen.__anext__()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            try:
+                asyncio.get_running_loop().create_task(self.gen.aclose())
+            except RuntimeError:  # no loop (interpreter exit): nothing left to release
+                pass
+
+    async def aclose(self) -> None:
+        self.closed = True
+        await self.gen.aclose()
+
+
+class RemoteEngine:
+    def __init__(self, pool: WorkerPool, policy: RoutingPolicy, index: PrefixIndex, info: dict, metrics=None,
+                 max_inflight: int = 1024):
+        self.pool, self.policy, self.index, self.metrics = pool, policy, index, metrics
+        self.block_size, self.max_model_len = int(info["block_size"]), int(info["max_model_len"])
+        self.extra_key = bytes.fromhex(info.get("kv_extra_key", ""))
+        self.max_inflight, self.inflight = max_inflight, 0
+        self.dead = None
+        self.stats = {}
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RemoteStream:
+        if self.inflight >= self.max_inflight:
+            raise EngineBusy(f"{self.inflight} requests in flight (limit {self.max_inflight})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context is {self.max_model_len}")
+        return RemoteStream(self._run(request_id, list(prompt_ids), params))
+
+    def _pick(self, stage: str, route: RouteRequest, exclude: set[str]) -> Worker:
+        candidates = [w for w in self.pool.candidates(stage) if w.url not in exclude]
+        if not candidates:
+            raise WorkerFailed(f"no healthy {stage} worker")
+        cached = self.index.cached_blocks(route.block_hashes, [w.url for w in candidates])
+        worker = self.policy.pick(candidates, route, cached)
+        if self.metrics is not None:
+            self.metrics.observe_route(stage, worker.url, cached.get(worker.url, 0) * self.block_size)
+        return worker
+
+    async def _run(self, request_id, prompt_ids, params):
+        self.inflight += 1
+        try:
+            hashes = block_hashes(prompt_ids, self.block_size, self.extra_key)
+            route = RouteRequest(hashes, len(prompt_ids), SESSION.get())
+            acc = _Accumulator(request_id, prompt_ids)
+            async for out in self._pd(request_id, prompt_ids, params, route, acc):
+                yield out
+        finally:
+            self.inflight -= 1
+
+    async def _pd(self, request_id, prompt_ids, params, route, acc):
+        tried: set[str] = set()
+        while True:  # retry the prefill on another worker if one fails before the first token
+            prefill = self._pick("prefill", route, tried)
+            single = params.guided is not None or prefill.role == "both" and prefill.can("decode")
+            if single:
+                async for out in self._stream(prefill, prompt_ids, params, None, acc, request_id):
+                    yield out
+                return
+            try:
+                first = await self._prefill(prefill, prompt_ids, params, request_id)
+                break
+            except WorkerFailed as e:
+                self.pool.mark_down(prefill, str(e))
+                tried.add(prefill.url)
+        self.index.record(route.block_hashes, prefill.url)
+        acc.cached = first["cached_tokens"]
+        yield acc.add(first["token_ids"], first["text"], first.get("logprobs"), first["finish_reason"]
+                      if first["finish_reason"] == "stop" or params.max_tokens == 1 else None)
+        if first["finish_reason"] == "stop" or params.max_tokens == 1:
+            await self._release(prefill, first.get("kv"))
+            return
+        decode = self._pick("decode", route, set())
+        rest = SamplingParams(**{**asdict(params), "max_tokens": params.max_tokens - 1})
+        try:
+            async for out in self._stream(decode, prompt_ids + first["token_ids"], rest, first.get("kv"), acc,
+                                          request_id, on_first=lambda: self._release(prefill, first.get("kv"))):
+                yield out
+        finally:
+            await self._release(prefill, first.get("kv"))
+        self.index.record(route.block_hashes, decode.url)
+
+    async def _prefill(self, worker: Worker, ids, params, request_id) -> dict:
+        body = {"request_id": f"{request_id}-p", "prompt_token_ids": ids, "sampling": sampling_json(params),
+                "kv_export": True}
+        worker.prefill_tokens += len(ids)
+        try:
+            r = await self.pool.http.post(f"{worker.url}/internal/generate", json=body)
+        except httpx.HTTPError as e:
+            raise WorkerFailed(f"prefill request failed: {e}") from e
+        finally:
+            worker.prefill_tokens -= len(ids)
+        if r.status_code == 400:
+            raise ValueError(r.json()["error"]["message"])
+        if r.status_code != 200:
+            raise WorkerFailed(f"prefill answered {r.status_code}: {r.text[:200]}")
+        self._served(worker, "prefill")
+        return r.json()
+
+    async def _release(self, worker: Worker, handle: dict | None) -> None:
+        if handle and not handle.get("_released"):
+            handle["_released"] = True
+            try:
+                await self.pool.http.post(f"{worker.url}/internal/kv/release", json={"pin_id": handle["pin_id"]})
+            except httpx.HTTPError as e:  # the pin expires on its own
+                log.warning("releasing KV pin on %s failed: %s", worker.url, e)
+
+    def _served(self, worker: Worker, stage: str) -> None:
+        served = SERVED_BY.get()
+        if served is not None:
+            served.append(f"{stage}={worker.url}")
+
+    async def _stream(self, worker, ids, params, handle, acc, request_id, on_first=None):
+        body = {"request_id": f"{request_id}-d", "prompt_token_ids": ids, "sampling": sampling_json(params),
+                "stream": True, "kv_import": {k: v for k, v in (handle or {}).items() if k != "_released"} or None}
+        worker.decode_tokens += len(ids)
+        started = time.monotonic()
+        try:
+            async with self.pool.http.stream("POST", f"{worker.url}/internal/generate", json=body) as r:
+                if r.status_code == 400:
+                    raise ValueError(json.loads(await r.aread())["error"]["message"])
+                if r.status_code != 200:
+                    raise WorkerFailed(f"decode answered {r.status_code}")
+                self._served(worker, "decode")
+                first_event = True
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        raise WorkerFailed(event["error"].get("message", "decode failed"))
+                    if first_event and on_first is not None:
+                        asyncio.ensure_future(on_first())
+                    first_event = False
+                    if event.get("finish_reason") and handle is None:
+                        acc.cached = event.get("cached_tokens", 0)
+                    if event.get("kv_import") and self.metrics is not None:
+                        self.metrics.observe_transfer(event["kv_import"])
+                    yield acc.add(event["token_ids"], event["text"], event.get("logprobs"), event.get("finish_reason"))
+                    if event.get("finish_reason"):
+                        return
+            raise WorkerFailed("decode stream ended without a finish")
+        except httpx.HTTPError as e:
+            self.pool.mark_down(worker, str(e))
+            raise WorkerFailed(f"decode worker {worker.url} failed after {time.monotonic() - started:.1f}s: {e}") from e
+        finally:
+            worker.decode_tokens -= len(ids)
