@@ -6,7 +6,9 @@ Engine and server flags come from the config dataclasses (``xlserve.config``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import logging
 import sys
 
@@ -31,9 +33,19 @@ def _setup_logging(level: str = "info") -> None:
 
 
 def cmd_serve(args) -> int:
+    from xlserve.launcher import serve
+    _setup_logging(args.log_level)
+    serve(_engine_config(args), config_from_args(args, ServerConfig), colocated=args.colocated)
+    return 0
+
+
+def cmd_worker(args) -> int:
     from xlserve.worker.server import run_worker
     _setup_logging(args.log_level)
-    run_worker(_engine_config(args), config_from_args(args, ServerConfig))
+    server = config_from_args(args, ServerConfig)
+    if not server.api_key and os.environ.get("XLSERVE_WORKER_API_KEY"):
+        server = dataclasses.replace(server, api_key=os.environ["XLSERVE_WORKER_API_KEY"])
+    run_worker(_engine_config(args), server)
     return 0
 
 
@@ -71,12 +83,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xlserve", description="Serve large language models, "
                                      "built for agentic traffic. Run 'xlserve COMMAND --help' for the flags.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (("serve", "serve the model over an OpenAI-compatible HTTP API (the main job)"),
-                            ("worker", "run one worker: an HTTP server around one engine")):
+    for name, help_text, func in (
+            ("serve", "the main job: a router plus a prefill and a decode worker, each its own process, "
+                      "serving the OpenAI API (--colocated: one worker)", cmd_serve),
+            ("worker", "run one worker: an HTTP server around one engine", cmd_worker)):
         p = sub.add_parser(name, help=help_text, description=help_text)
         _add_engine_args(p)
         add_config_args(p, ServerConfig, "server")
-        p.set_defaults(func=cmd_serve)
+        if name == "serve":
+            p.add_argument("--colocated", action="store_true",
+                           help="one worker doing prefill and decode instead of router + prefill + decode")
+        p.set_defaults(func=func)
     r = sub.add_parser("router", help="the front door: OpenAI API over prefill/decode workers",
                        description="Route OpenAI-compatible requests over workers: prefill on one, KV hand-off, "
                                    "decode on another; cache-aware, token-aware, x-session-affinity.")

@@ -25,3 +25,18 @@ def add_config_args(parser: argparse.ArgumentParser, cls, title: str | None = No
 def config_from_args(args: argparse.Namespace, cls):
     """Build ``cls`` from parsed flags; a ``ValueError`` from validation names the problem."""
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def config_to_args(config) -> list[str]:
+    """The flags that rebuild ``config`` in another process (non-default fields only)."""
+    out = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if value == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + f.name.replace("_", "-"))
+        else:
+            out += [flag, str(value)]
+    return out

@@ -18,7 +18,7 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(*args: str, timeout: float = 180.0, command: str = "serve"):
+def running_server(*args: str, timeout: float = 180.0, command: str = "worker"):
     port = free_port()
     cmd = [sys.executable, "-m", "xlserve.cli", command, "--port", str(port), *args]
     log = open(os.devnull, "w") if os.environ.get("XLSERVE_TEST_QUIET") else None

@@ -81,3 +81,38 @@ def test_router_metrics_and_errors(cluster):
         assert name in text, name
     r = httpx.post(f"{cluster['router']}/v1/chat/completions", json={"messages": [], "max_tokens": 4})
     assert r.status_code == 400 and r.json()["error"]["message"]
+
+
+def test_serve_starts_router_prefill_and_decode_and_ctrl_c_stops_all():
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.e2e.server_process import free_port
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "xlserve.cli", "serve", "--port", str(port), "--log-level",
+                             "warning"], start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        workers = httpx.get(f"{url}/router/workers").json()
+        assert sorted(w["role"] for w in workers) == ["decode", "prefill"]
+        r = _client(url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi"}],
+                                                 max_tokens=8)
+        assert r.choices[0].message.content
+        internal = httpx.get(f"{workers[0]['url']}/internal/info")
+        assert internal.status_code == 401  # workers want the key only the router holds
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the whole process group, as in a terminal
+        proc.wait(timeout=30)
+    time.sleep(1)
+    leftover = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert leftover == []

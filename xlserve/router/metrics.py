@@ -10,7 +10,7 @@ from xlserve.worker.metrics import WorkerMetrics
 
 class RouterMetrics(WorkerMetrics):
     def __init__(self, pool: WorkerPool, model_name: str, policy: str):
-        super().__init__(lambda: {}, model_name)
+        super().__init__(None, model_name)
         r = self.registry
         self.decisions = Counter("xlserve_router_decisions", "Routing decisions", ["policy", "stage", "worker"],
                                  registry=r)

@@ -22,7 +22,9 @@ ENGINE_GAUGES = {
 
 
 class WorkerMetrics:
-    def __init__(self, engine_stats: Callable[[], dict], model_name: str):
+    def __init__(self, engine_stats: Callable[[], dict] | None, model_name: str):
+        """``engine_stats``: the engine's counters for the gauges; None where there is no
+        local engine (the router)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("xlserve_time_to_first_token_seconds", "Time to first token",
@@ -39,7 +41,7 @@ class WorkerMetrics:
         self.errors = Counter("xlserve_request_errors", "Requests refused", ["status"], registry=r)
         info = Gauge("xlserve_model_info", "Served model", ["model"], registry=r)
         info.labels(model=model_name).set(1)
-        for key, (name, doc) in ENGINE_GAUGES.items():
+        for key, (name, doc) in ENGINE_GAUGES.items() if engine_stats is not None else ():
             Gauge(name, doc, registry=r).set_function(lambda k=key: float(engine_stats().get(k, 0)))
 
     def observe_finished(self, prompt_tokens: int, cached: int, generated: int, ttft: float | None,
