@@ -114,6 +114,9 @@ class ServerConfig:
     kv_pull_timeout: float = _opt(10.0, "Seconds a decode worker waits for a KV pull.")
     kv_pull_failure: str = _opt("recompute", "When a KV pull fails: recompute the prefill here, or fail.",
                                 choices=("recompute", "fail"))
+    price_input: float = _opt(0.60, "Price per million uncached input tokens, reported in usage.cost.")
+    price_cached_input: float = _opt(0.10, "Price per million cached input tokens (the cache discount).")
+    price_output: float = _opt(3.00, "Price per million output tokens.")
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:

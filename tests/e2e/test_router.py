@@ -50,6 +50,10 @@ def test_second_turn_reports_cached_prefix_through_the_router(cluster):
     second = client.chat.completions.create(model=MODEL, messages=turn2, max_tokens=8, temperature=0)
     shared = first.usage.prompt_tokens
     assert second.usage.prompt_tokens_details.cached_tokens >= shared - 16
+    u = second.usage  # priced with the cached-input discount (defaults 0.60 / 0.10 / 3.00 per million)
+    cached = u.prompt_tokens_details.cached_tokens
+    expected = ((u.prompt_tokens - cached) * 0.60 + cached * 0.10 + u.completion_tokens * 3.00) / 1e6
+    assert u.cost["total"] == pytest.approx(expected) and u.cost["currency"] == "USD"
     stream = client.chat.completions.create(model=MODEL, messages=turn2, max_tokens=8, temperature=0, stream=True,
                                             stream_options={"include_usage": True})
     usage = [c.usage for c in stream if c.usage][-1]

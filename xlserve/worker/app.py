@@ -22,6 +22,7 @@ from xlserve.config import ServerConfig
 from xlserve.worker.async_engine import EngineBusy, EngineDead
 from xlserve.worker.errors import ApiError, error_body
 from xlserve.worker.internal import add_internal_routes
+from xlserve.worker.pricing import PriceTable
 from xlserve.worker.protocol import ChatCompletionRequest, CompletionRequest
 from xlserve.worker.serving_chat import ChatHandler
 from xlserve.worker.serving_common import WorkerState
@@ -72,6 +73,7 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
     ``request_hook(request)``: called first on each generation request (the router reads
     its session header there)."""
     app = FastAPI(title=title, docs_url=None, redoc_url=None)
+    state.prices = PriceTable(config.price_input, config.price_cached_input, config.price_output)
     chat, completions = ChatHandler(state, config.tool_parser), CompletionHandler(state)
 
     def error_response(status: int, message: str, **kw) -> JSONResponse:

@@ -17,6 +17,7 @@ from xlserve.sampling_params import SamplingParams
 from xlserve.worker.async_engine import AsyncEngine
 from xlserve.worker.errors import ApiError
 from xlserve.worker.metrics import WorkerMetrics
+from xlserve.worker.pricing import PriceTable
 
 log = logging.getLogger("xlserve.requests")
 
@@ -37,6 +38,7 @@ class RequestRun:
     choices: list[ChoiceRun]
     start: float = field(default_factory=time.monotonic)
     first_token: float | None = None
+    prices: PriceTable | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -48,9 +50,12 @@ class RequestRun:
         # cached tokens of each distinct prompt, taken from its first choice
         firsts = {id(c.prompt_ids): c for c in reversed(self.choices)}
         cached = sum(c.final.cached_tokens for c in firsts.values() if c.final is not None)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                 "total_tokens": self.prompt_tokens + completion,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        if self.prices is not None:
+            usage["cost"] = self.prices.cost(self.prompt_tokens, cached, completion)
+        return usage
 
 
 def start_choices(engine: AsyncEngine, run: RequestRun,

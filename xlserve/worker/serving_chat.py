@@ -35,7 +35,7 @@ class ChatHandler:
         except ValueError as e:
             raise ApiError(400, str(e)) from e
         choices = [ChoiceRun(i, ids, p, primary=(i == 0)) for i, p in enumerate(params)]
-        return RequestRun(new_id("chatcmpl"), choices), use_tools
+        return RequestRun(new_id("chatcmpl"), choices, prices=state.prices), use_tools
 
     def _guided(self, req: ChatCompletionRequest, use_tools: bool):
         required, name = req.forced_tool()

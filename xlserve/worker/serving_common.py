@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from xlserve.engine.llm_engine import LLMEngine
 from xlserve.loader.tokenizer import Tokenizer
 from xlserve.worker.async_engine import AsyncEngine
 from xlserve.worker.errors import ApiError
 from xlserve.worker.metrics import WorkerMetrics
+from xlserve.worker.pricing import PriceTable
 
 
 @dataclass
@@ -20,6 +21,7 @@ class WorkerState:
     async_engine: AsyncEngine
     metrics: WorkerMetrics
     model_name: str
+    prices: PriceTable = field(default_factory=PriceTable)
 
     @property
     def tokenizer(self) -> Tokenizer | None:

@@ -26,7 +26,7 @@ class CompletionHandler:
             except ValueError as e:
                 raise ApiError(400, str(e), "prompt") from e
             choices += [ChoiceRun(p_index * req.n + i, ids, p, primary=(i == 0)) for i, p in enumerate(params)]
-        return RequestRun(new_id("cmpl"), choices)
+        return RequestRun(new_id("cmpl"), choices, prices=self.state.prices)
 
     def _echo(self, req: CompletionRequest, choice: ChoiceRun) -> str:
         if not req.echo or self.state.tokenizer is None:
