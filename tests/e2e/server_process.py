@@ -11,6 +11,9 @@ import time
 import httpx
 
 
+PROCESSES: dict[str, subprocess.Popen] = {}  # url -> process, for tests that kill a server
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -24,6 +27,7 @@ def running_server(*args: str, timeout: float = 180.0, command: str = "worker"):
     log = open(os.devnull, "w") if os.environ.get("XLSERVE_TEST_QUIET") else None
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None)
     url = f"http://127.0.0.1:{port}"
+    PROCESSES[url] = proc
     try:
         deadline = time.monotonic() + timeout
         while True:

@@ -120,3 +120,40 @@ def test_serve_starts_router_prefill_and_decode_and_ctrl_c_stops_all():
     time.sleep(1)
     leftover = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
     assert leftover == []
+
+
+def test_killing_the_decode_worker_mid_stream(cluster):
+    """The client gets a clean error event, the router marks the worker down, and the next
+    request succeeds on the other decode worker."""
+    import time
+
+    from tests.e2e.server_process import PROCESSES
+    common = ("--dtype", "float32", "--log-level", "warning")
+    with running_server("--role", "decode", *common) as d1, running_server("--role", "decode", *common) as d2, \
+            running_server("--prefill", cluster["p"], "--decode", d1, d2, "--policy", "round_robin",
+                           "--no-affinity", "--log-level", "warning", command="router") as router:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Count slowly."}], "max_tokens": 400,
+                "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", f"{router}/v1/chat/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            while len(events) < 5:
+                line = next(lines)
+                if line.startswith("data: "):
+                    events.append(line)
+            busy = [w for w in httpx.get(f"{router}/router/workers").json() if w["decode_tokens"] > 0]
+            assert len(busy) == 1
+            PROCESSES[busy[0]["url"]].kill()
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            state = {w["url"]: w["healthy"] for w in httpx.get(f"{router}/router/workers").json()}
+            if state[busy[0]["url"]] is False:
+                break
+            time.sleep(0.3)
+        assert state[busy[0]["url"]] is False
+        ok = _client(router).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=4)
+        assert ok.choices[0].finish_reason in ("stop", "length")
+    assert metric(cluster["p"], "xlserve_kv_blocks_used") == 0  # the killed stream's pin was released
