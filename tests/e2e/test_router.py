@@ -78,6 +78,21 @@ def test_session_affinity_keeps_a_session_on_one_worker(cluster):
     assert all(w["healthy"] for w in workers) and len(workers) == 2
 
 
+def test_router_index_learns_from_worker_kv_events(cluster):
+    import time
+    client = _client(cluster["router"])
+    client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, temperature=0)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        blocks = {w["role"]: w["indexed_blocks"] for w in httpx.get(f"{cluster['router']}/router/workers").json()}
+        if blocks["prefill"] > 5 and blocks["decode"] > 5:
+            break
+        time.sleep(0.5)
+    assert blocks["prefill"] > 5 and blocks["decode"] > 5
+    feed = httpx.get(f"{cluster['p']}/internal/kv/events", params={"since": 0}).json()
+    assert feed["reset"] and len(feed["snapshot"]) >= blocks["prefill"] - 5
+
+
 def test_router_metrics_and_errors(cluster):
     text = httpx.get(f"{cluster['router']}/metrics").text
     for name in ("xlserve_router_decisions_total", "xlserve_router_inflight_tokens", "xlserve_kv_transfer_bytes_total",

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from xlserve.engine.kv_events import KVEventLog
 from xlserve.hashing import BlockHash
 
 
@@ -30,6 +31,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[BlockHash, KVBlock] = {}
+        self.events = KVEventLog()
 
     @property
     def num_free_blocks(self) -> int:
@@ -78,11 +80,13 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        self.events.stored(block_hash)
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                self.events.removed(block.block_hash)
             block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:

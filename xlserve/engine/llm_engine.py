@@ -161,6 +161,10 @@ class LLMEngine:
     def unpin_kv(self, pin_id: str) -> bool:
         return self.kv_store.unpin(pin_id)
 
+    def kv_events(self, since: int, epoch: str) -> dict:
+        pool = self.scheduler.kv.pool
+        return pool.events.since(since, epoch, lambda: list(pool.cached))
+
     # -- counters -----------------------------------------------------------------
     def stats(self) -> dict:
         kv = self.scheduler.kv

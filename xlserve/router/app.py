@@ -65,7 +65,8 @@ def build_router_app(opts: RouterOptions, config: ServerConfig):
     info = asyncio.run(pool.info())
     tokenizer = load_tokenizer(opts.model)
     metrics = RouterMetrics(pool, info["model"], opts.policy)
-    remote = RemoteEngine(pool, make_policy(opts.policy, opts.affinity, int(info["block_size"])), PrefixIndex(),
+    index = PrefixIndex()
+    remote = RemoteEngine(pool, make_policy(opts.policy, opts.affinity, int(info["block_size"])), index,
                           info, metrics)
     state = WorkerState(RouterFront(tokenizer, info, remote), remote, metrics, info["model"])
 
@@ -80,12 +81,12 @@ def build_router_app(opts: RouterOptions, config: ServerConfig):
 
     @app.on_event("startup")
     async def _health():
-        app.state.health_task = asyncio.create_task(pool.health_loop(opts.health_interval))
+        app.state.health_task = asyncio.create_task(pool.health_loop(opts.health_interval, index))
 
     @app.get("/router/workers")
     async def workers():
         return [{"url": w.url, "role": w.role, "healthy": w.healthy, "prefill_tokens": w.prefill_tokens,
-                 "decode_tokens": w.decode_tokens} for w in pool.workers]
+                 "decode_tokens": w.decode_tokens, "indexed_blocks": index.blocks_on(w.url)} for w in pool.workers]
 
     return app
 

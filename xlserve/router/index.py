@@ -1,7 +1,8 @@
 """Where the router believes each KV block lives: block hash -> worker URLs.
 
-Filled from the router's own routing (a worker that served a prompt holds its blocks)
-and bounded LRU, so stale beliefs age out. Workers' KV events will make it exact.
+Filled at once from the router's own routing (a worker that served a prompt holds its
+blocks) and corrected by the workers' KV events (stored / removed, or a snapshot after a
+worker or router restart). Bounded LRU.
 """
 
 from __future__ import annotations
@@ -21,6 +22,26 @@ class PrefixIndex:
             self._where[h] = owners
         while len(self._where) > self.capacity:
             self._where.popitem(last=False)
+
+    def remove(self, block_hash: bytes, url: str) -> None:
+        owners = self._where.get(block_hash)
+        if owners is not None:
+            owners.discard(url)
+
+    def apply_events(self, url: str, feed: dict) -> None:
+        """Apply a worker's KV events answer (see ``KVEventLog.since``)."""
+        if feed.get("reset"):
+            self.forget_worker(url)
+            self.record([bytes.fromhex(h) for h in feed.get("snapshot", [])], url)
+            return
+        for kind, h in feed.get("events", []):
+            if kind == "stored":
+                self.record([bytes.fromhex(h)], url)
+            else:
+                self.remove(bytes.fromhex(h), url)
+
+    def blocks_on(self, url: str) -> int:
+        return sum(1 for owners in self._where.values() if url in owners)
 
     def forget_worker(self, url: str) -> None:
         for owners in self._where.values():

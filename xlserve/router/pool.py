@@ -21,6 +21,8 @@ class Worker:
     decode_tokens: int = 0  # context tokens of requests decoding here
     failures: int = 0
     last_check: float = field(default_factory=time.monotonic)
+    kv_seq: int = 0  # KV events read so far, and the worker's epoch they belong to
+    kv_epoch: str = ""
 
     @property
     def load(self) -> int:
@@ -60,9 +62,24 @@ class WorkerPool:
             log.info("worker %s is back", worker.url)
         worker.healthy, worker.last_check = ok, time.monotonic()
 
-    async def health_loop(self, interval: float) -> None:
+    async def poll_events(self, worker: Worker, index) -> None:
+        if not worker.healthy:
+            return
+        try:
+            r = await self.http.get(f"{worker.url}/internal/kv/events",
+                                    params={"since": worker.kv_seq, "epoch": worker.kv_epoch}, timeout=5)
+            feed = r.json()
+        except (httpx.HTTPError, ValueError) as e:
+            log.debug("KV events from %s: %s", worker.url, e)
+            return
+        index.apply_events(worker.url, feed)
+        worker.kv_seq, worker.kv_epoch = int(feed["seq"]), str(feed["epoch"])
+
+    async def health_loop(self, interval: float, index=None) -> None:
         while True:
             await asyncio.gather(*(self.check(w) for w in self.workers))
+            if index is not None:
+                await asyncio.gather(*(self.poll_events(w, index) for w in self.workers))
             await asyncio.sleep(interval)
 
     async def info(self) -> dict:

@@ -6,6 +6,8 @@
   role) it first pulls those blocks through the transport into its own pool; if the
   pull fails it recomputes the prefill itself, or fails, as the policy says.
 - ``POST /internal/kv/release``: unpin exported blocks once the decode side has them.
+- ``GET /internal/kv/events?since=N&epoch=E``: block hashes stored/removed since N, or a
+  snapshot when the reader cannot be caught up.
 - ``GET /internal/info``: role, model, block size and KV transfer address.
 """
 
@@ -113,6 +115,10 @@ def add_internal_routes(app: FastAPI, state: WorkerState, config: ServerConfig, 
         return {"role": config.role, "model": state.model_name, "block_size": state.engine.block_size,
                 "max_model_len": state.max_model_len, "kv": disagg.address,
                 "kv_extra_key": state.engine.extra_key.hex(), "model_path": state.engine.loaded.source.path}
+
+    @app.get("/internal/kv/events", dependencies=api)
+    async def kv_events(since: int = 0, epoch: str = ""):
+        return await state.async_engine.call(lambda e, s, ep: e.kv_events(s, ep), since, epoch[:64])
 
     @app.post("/internal/kv/release", dependencies=api)
     async def release(request: Request):
