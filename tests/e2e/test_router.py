@@ -28,8 +28,10 @@ def _client(url):
 def test_pd_greedy_equals_colocated_streamed_and_not(cluster):
     kw = dict(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0)
     colocated = _client(cluster["d"]).chat.completions.create(**kw).choices[0].message.content
-    routed = _client(cluster["router"]).chat.completions.create(**kw)
+    raw = _client(cluster["router"]).chat.completions.with_raw_response.create(**kw)
+    routed = raw.parse()
     assert routed.choices[0].message.content == colocated
+    assert raw.headers["x-xlserve-served-by"] == f"prefill={cluster['p']}, decode={cluster['d']}"
     stream = _client(cluster["router"]).chat.completions.create(stream=True, stream_options={"include_usage": True},
                                                                 **kw)
     text, usage = "", None

@@ -20,7 +20,7 @@ from xlserve.router.index import PrefixIndex
 from xlserve.router.metrics import RouterMetrics
 from xlserve.router.policies import make_policy
 from xlserve.router.pool import WorkerPool
-from xlserve.router.remote_engine import SESSION, RemoteEngine, WorkerFailed
+from xlserve.router.remote_engine import SERVED_BY, SESSION, RemoteEngine, WorkerFailed
 from xlserve.worker.app import build_app
 from xlserve.worker.errors import error_body
 from xlserve.worker.serving_common import WorkerState
@@ -72,8 +72,14 @@ def build_router_app(opts: RouterOptions, config: ServerConfig):
 
     def hook(request: Request) -> None:
         SESSION.set(request.headers.get(SESSION_HEADER))
+        SERVED_BY.set([])
 
-    app = build_app(state, config, internal=False, request_hook=hook, title="xlserve router")
+    def served_headers() -> dict:
+        served = SERVED_BY.get() or []
+        return {"x-xlserve-served-by": ", ".join(dict.fromkeys(served))} if served else {}
+
+    app = build_app(state, config, internal=False, request_hook=hook, response_headers=served_headers,
+                    title="xlserve router")
 
     @app.exception_handler(WorkerFailed)
     async def _worker_failed(_, e: WorkerFailed):

@@ -55,8 +55,9 @@ async def read_json(request: Request, model: type[BaseModel], limit: int) -> Bas
         raise ApiError(400, _validation_message(e)) from e
 
 
-async def until_disconnected(request: Request, work):
-    """Run ``work``; cancel it (aborting the generation) if the client goes away."""
+async def until_disconnected(request: Request, work, headers=None):
+    """Run ``work``; cancel it (aborting the generation) if the client goes away.
+    ``headers()``: extra response headers, read once the work is done."""
     task = asyncio.ensure_future(work)
     while not task.done():
         await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
@@ -64,14 +65,15 @@ async def until_disconnected(request: Request, work):
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             return Response(status_code=499)
-    return JSONResponse(task.result())
+    return JSONResponse(task.result(), headers=headers() if headers else None)
 
 
 def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
-              request_hook=None, title: str = "xlserve worker") -> FastAPI:
+              request_hook=None, response_headers=None, title: str = "xlserve worker") -> FastAPI:
     """The OpenAI-compatible app. ``internal``: add the disaggregation endpoints (workers);
     ``request_hook(request)``: called first on each generation request (the router reads
-    its session header there)."""
+    its session header there); ``response_headers()``: extra headers of non-streamed
+    answers (the router names the workers that served)."""
     app = FastAPI(title=title, docs_url=None, redoc_url=None)
     state.prices = PriceTable(config.price_input, config.price_cached_input, config.price_output)
     chat, completions = ChatHandler(state, config.tool_parser), CompletionHandler(state)
@@ -130,7 +132,7 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
         req = await read_json(request, ChatCompletionRequest, config.max_body_bytes)
         if req.stream:
             return StreamingResponse(await chat.stream(req), media_type="text/event-stream")
-        return await until_disconnected(request, chat.complete(req))
+        return await until_disconnected(request, chat.complete(req), response_headers)
 
     @app.post("/v1/completions", dependencies=api)
     async def text_completions(request: Request):
@@ -139,7 +141,7 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
         req = await read_json(request, CompletionRequest, config.max_body_bytes)
         if req.stream:
             return StreamingResponse(await completions.stream(req), media_type="text/event-stream")
-        return await until_disconnected(request, completions.complete(req))
+        return await until_disconnected(request, completions.complete(req), response_headers)
 
     if internal:
         app.state.disaggregation = add_internal_routes(app, state, config, api, read_json)
