@@ -24,23 +24,30 @@ log = logging.getLogger("xlserve.serve")
 STARTUP_TIMEOUT_S = 600
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _start_worker(role: str, engine: EngineConfig, key: str, log_level: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+def start_worker(role: str, engine: EngineConfig, key: str, log_level: str,
+                 cores: list[int] | None = None) -> tuple[subprocess.Popen, str]:
+    """A worker process on a free loopback port; ``cores``: pin it there (one thread each)."""
+    port = free_port()
     args = [sys.executable, "-m", "xlserve.cli", "worker", "--role", role, "--host", "127.0.0.1",
             "--port", str(port), "--log-level", log_level]
     for part in (engine.model, engine.cache, engine.scheduler):
         args += config_to_args(part)
     env = {**os.environ, "XLSERVE_WORKER_API_KEY": key}
-    return subprocess.Popen(args, env=env), f"http://127.0.0.1:{port}"
+    if cores:
+        env["OMP_NUM_THREADS"] = str(len(cores))
+    proc = subprocess.Popen(args, env=env)
+    if cores:
+        os.sched_setaffinity(proc.pid, cores)
+    return proc, f"http://127.0.0.1:{port}"
 
 
-def _wait_healthy(procs: list[tuple[subprocess.Popen, str]], key: str) -> None:
+def wait_healthy(procs: list[tuple[subprocess.Popen, str]], key: str) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     pending = dict((url, proc) for proc, url in procs)
     while pending:
@@ -57,7 +64,7 @@ def _wait_healthy(procs: list[tuple[subprocess.Popen, str]], key: str) -> None:
         time.sleep(0.3)
 
 
-def _stop(procs: list[tuple[subprocess.Popen, str]]) -> None:
+def stop_all(procs: list[tuple[subprocess.Popen, str]]) -> None:
     for proc, _ in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
@@ -79,12 +86,12 @@ def serve(engine: EngineConfig, server: ServerConfig, colocated: bool, policy: s
     key = secrets.token_hex(16)  # workers listen on loopback and still want a key: only the router has it
     procs: list[tuple[subprocess.Popen, str]] = []
     try:
-        procs.append(_start_worker("prefill", engine, key, server.log_level))
-        procs.append(_start_worker("decode", engine, key, server.log_level))
-        _wait_healthy(procs, key)
+        procs.append(start_worker("prefill", engine, key, server.log_level))
+        procs.append(start_worker("decode", engine, key, server.log_level))
+        wait_healthy(procs, key)
         log.info("workers ready: prefill %s, decode %s", procs[0][1], procs[1][1])
         opts = RouterOptions(prefill=(procs[0][1],), decode=(procs[1][1],), policy=policy,
                              model=engine.model.model, worker_api_key=key)
         run_router(opts, server)
     finally:
-        _stop(procs)
+        stop_all(procs)

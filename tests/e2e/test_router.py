@@ -174,3 +174,14 @@ def test_killing_the_decode_worker_mid_stream(cluster):
                                                      max_tokens=4)
         assert ok.choices[0].finish_reason in ("stop", "length")
     assert metric(cluster["p"], "xlserve_kv_blocks_used") == 0  # the killed stream's pin was released
+
+
+def test_agentic_workload_through_the_router(cluster):
+    import asyncio
+
+    from xlserve.bench.agentic import run_agentic, summarize
+    result = asyncio.run(run_agentic(cluster["router"], sessions=2, turns=2, concurrency=2, max_tokens=4))
+    summary = summarize(result)
+    assert summary["turns"] == 4 and summary["errors"] == 0
+    assert summary["cache_hit_ratio"] > 0.3  # later turns reuse the shared system prompt and their history
+    assert summary["ttft_p50_s"] > 0 and summary["cost_usd"] > 0

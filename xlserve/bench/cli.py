@@ -20,6 +20,19 @@ def add_bench_parser(sub) -> None:
     e.add_argument("--png", default="", help="also write a bar chart here")
     e.add_argument("--budget", type=int, default=2048, help="xlserve token budget per step")
     e.set_defaults(func=cmd_bench_engine)
+    s = kinds.add_parser("serve", help="agentic multi-turn workload: one server, or setups side by side",
+                         description="Runs N sessions x T turns of an agentic workload (shared system prompt with "
+                                     "tools, growing history, short answers, x-session-affinity). With --url, against "
+                                     "that server; without, it starts and compares: colocated vs prefill+decode, and "
+                                     "two workers under round_robin, cache_aware and session affinity.")
+    s.add_argument("--url", default="", help="an OpenAI-compatible server to measure (default: compare setups)")
+    s.add_argument("--sessions", type=int, default=8, help="agent sessions")
+    s.add_argument("--turns", type=int, default=4, help="turns per session")
+    s.add_argument("--concurrency", type=int, default=4, help="sessions running at once")
+    s.add_argument("--max-tokens", type=int, default=24, help="tokens per answer")
+    s.add_argument("--out", default="bench-serve.json", help="where to write the JSON results")
+    s.add_argument("--png", default="", help="also write a chart here")
+    s.set_defaults(func=cmd_bench_serve)
 
 
 def cmd_bench_engine(args) -> int:
@@ -46,4 +59,27 @@ def cmd_bench_engine(args) -> int:
     if opts.png:
         engine_png(results, opts.png)
         print(f"chart: {opts.png}")
+    return 0
+
+
+def cmd_bench_serve(args) -> int:
+    import asyncio
+
+    from xlserve.bench.agentic import run_agentic, summarize
+    from xlserve.bench.serve_bench import run_compare, serve_png, serve_ratios, serve_table
+    from xlserve.config import EngineConfig
+    workload = {"sessions": args.sessions, "turns": args.turns, "concurrency": args.concurrency,
+                "max_tokens": args.max_tokens}
+    if args.url:
+        rows = [{"setup": args.url, **summarize(asyncio.run(run_agentic(args.url.rstrip("/"), **workload)))}]
+    else:
+        rows = run_compare(EngineConfig(), workload)
+    with open(args.out, "w") as f:
+        json.dump({"workload": workload, "results": rows}, f, indent=2)
+    print(serve_table(rows))
+    for line in serve_ratios(rows):
+        print(line)
+    if args.png:
+        serve_png(rows, args.png)
+        print(f"chart: {args.png}")
     return 0

@@ -1,0 +1,126 @@
+"""An agentic multi-turn workload against an OpenAI-compatible server.
+
+N sessions x T turns. Every session shares a large system prompt with tool definitions,
+then works on a long context of its own; each turn appends the server's answer and a new short user message (a growing history),
+asks for a short, tool-call-shaped answer, and sends ``x-session-affinity``. Measured per
+turn over the streamed answer: TTFT, inter-token latencies, prompt / cached / completion
+tokens and cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+TOOLS = [{"type": "function", "function": {
+    "name": name, "description": desc,
+    "parameters": {"type": "object", "properties": {arg: {"type": "string"}}, "required": [arg]}}}
+    for name, desc, arg in (("search_docs", "Search the project documentation", "query"),
+                            ("read_file", "Read a file of the repository", "path"),
+                            ("run_tests", "Run the test suite of a package", "package"),
+                            ("open_issue", "Open an issue in the tracker", "title"))]
+SYSTEM = ("You are a coding agent working in a large repository. Follow the team's rules: " +
+          " ".join(f"Rule {i}: keep changes small, test them, and explain why in one line." for i in range(40)) +
+          "\nTools:\n" + json.dumps(TOOLS))
+ASKS = ["Find where the scheduler frees blocks.", "Which test covers preemption?", "Read the config module.",
+        "Run the engine tests.", "Summarise what you found in one line.", "Open an issue for the flaky test."]
+
+
+@dataclass
+class TurnResult:
+    ttft: float
+    itls: list[float]
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    cost: float
+    error: str | None = None
+
+
+@dataclass
+class WorkloadResult:
+    turns: list[TurnResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+async def _turn(client: httpx.AsyncClient, url: str, model: str, messages: list, session: str,
+                max_tokens: int) -> tuple[TurnResult, str]:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start = time.monotonic()
+    stamps, text, usage = [], "", {}
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body,
+                             headers={"x-session-affinity": session}) as r:
+        if r.status_code != 200:
+            return TurnResult(0, [], 0, 0, 0, 0, error=f"HTTP {r.status_code}"), ""
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                return TurnResult(0, [], 0, 0, 0, 0, error=chunk["error"]["message"]), ""
+            for c in chunk.get("choices", []):
+                if c["delta"].get("content"):
+                    stamps.append(time.monotonic())
+                    text += c["delta"]["content"]
+            usage = chunk.get("usage") or usage
+    ttft = (stamps[0] if stamps else time.monotonic()) - start
+    itls = [b - a for a, b in zip(stamps, stamps[1:])]
+    return TurnResult(ttft, itls, usage.get("prompt_tokens", 0),
+                      usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+                      usage.get("completion_tokens", 0), usage.get("cost", {}).get("total", 0.0)), text
+
+
+async def run_agentic(url: str, sessions: int, turns: int, concurrency: int, max_tokens: int = 24,
+                      seed: int = 0, progress=None) -> WorkloadResult:
+    rng = random.Random(seed)
+    result = WorkloadResult()
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=300) as client:
+        model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+
+        async def session(i: int):
+            async with gate:
+                # Each session works on its own file: a long per-session context after the shared
+                # system prompt, so where a session's turns land decides what the cache holds.
+                words = [rng.choice(("alloc", "block", "free", "queue", "hash", "token", "step", "cache", "pin",
+                                     "batch", "chunk", "evict")) + str(rng.randrange(1000)) for _ in range(400)]
+                messages = [{"role": "system", "content": SYSTEM},
+                            {"role": "user", "content": f"Here is the file for session {i}:\n" + " ".join(words)},
+                            {"role": "assistant", "content": "I have read the file."}]
+                for t in range(turns):
+                    messages.append({"role": "user", "content": f"[task {i}.{t}] {rng.choice(ASKS)}"})
+                    turn, text = await _turn(client, url, model, messages, f"session-{i}", max_tokens)
+                    result.turns.append(turn)
+                    messages.append({"role": "assistant", "content": text or "ok"})
+                    if progress is not None:
+                        progress.update(1)
+        start = time.monotonic()
+        await asyncio.gather(*(session(i) for i in range(sessions)))
+        result.seconds = time.monotonic() - start
+    return result
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def summarize(result: WorkloadResult) -> dict:
+    ok = [t for t in result.turns if t.error is None]
+    ttft = [t.ttft for t in ok]
+    itl = [x for t in ok for x in t.itls]
+    prompt = sum(t.prompt_tokens for t in ok)
+    return {"turns": len(result.turns), "errors": len(result.turns) - len(ok),
+            "ttft_p50_s": _pct(ttft, 0.5), "ttft_p90_s": _pct(ttft, 0.9), "ttft_p99_s": _pct(ttft, 0.99),
+            "itl_p50_s": _pct(itl, 0.5), "itl_p90_s": _pct(itl, 0.9), "itl_p99_s": _pct(itl, 0.99),
+            "output_tok_s": sum(t.completion_tokens for t in ok) / result.seconds if result.seconds else None,
+            "cache_hit_ratio": sum(t.cached_tokens for t in ok) / prompt if prompt else None,
+            "cost_usd": sum(t.cost for t in ok)}
