@@ -80,7 +80,8 @@ def _build() -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("no C compiler found: the decode step uses the slower torch path")
         return None
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(cflags).encode())
+    header = Path(__file__).with_name("bf16.h")
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in [*SOURCES, header]) + " ".join(cflags).encode())
     target = _cache_dir() / f"xlserve_cpu_{digest.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -11,19 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t v) {
-  uint32_t bits = (uint32_t)v << 16;
-  float f;
-  memcpy(&f, &bits, 4);
-  return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-  uint32_t bits;
-  memcpy(&bits, &f, 4);
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return (uint16_t)(bits >> 16);
-}
+#include "bf16.h"
 
 /* load / store element i of an activation buffer in fp32 */
 static inline float ld(const void* p, int64_t i, int bf16) {

@@ -75,19 +75,7 @@ void xl_gemv_bf16(const float* x, const uint16_t* w, float* out, int64_t M, int6
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16f(uint16_t v) {
-  uint32_t bits = (uint32_t)v << 16;
-  float f;
-  memcpy(&f, &bits, 4);
-  return f;
-}
-
-static inline uint16_t f32bf(float f) {
-  uint32_t bits;
-  memcpy(&bits, &f, 4);
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return (uint16_t)(bits >> 16);
-}
+#include "bf16.h"
 
 #ifdef XL_HAVE_BF16_DOT
 /* bf16 activations on CPUs with AVX512-BF16: vdpbf16ps multiplies 32 bf16 pairs per
@@ -158,18 +146,18 @@ void xl_linear_bf16(const void* x, const uint16_t* w, const void* bias, const vo
 #endif
   if (bf16 && xf) {
     xf = (float*)malloc(sizeof(float) * M * K);
-    for (int64_t i = 0; i < M * K; ++i) xf[i] = bf16f(((const uint16_t*)x)[i]);
+    for (int64_t i = 0; i < M * K; ++i) xf[i] = bf16_to_f32(((const uint16_t*)x)[i]);
   }
   if (xf) xl_gemv_bf16(xf, w, of, M, N, K, threads);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t n = 0; n < N; ++n) {
       float v = of[m * N + n];
-      if (bias) v += bf16 ? bf16f(((const uint16_t*)bias)[n]) : ((const float*)bias)[n];
+      if (bias) v += bf16 ? bf16_to_f32(((const uint16_t*)bias)[n]) : ((const float*)bias)[n];
       if (residual) {
-        if (bf16) v = bf16f(f32bf(v)) + bf16f(((const uint16_t*)residual)[m * N + n]);
+        if (bf16) v = bf16_to_f32(f32_to_bf16(v)) + bf16_to_f32(((const uint16_t*)residual)[m * N + n]);
         else v += ((const float*)residual)[m * N + n];
       }
-      if (bf16) ((uint16_t*)out)[m * N + n] = f32bf(v);
+      if (bf16) ((uint16_t*)out)[m * N + n] = f32_to_bf16(v);
       else of[m * N + n] = v;
     }
   }
