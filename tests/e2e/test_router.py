@@ -185,3 +185,20 @@ def test_agentic_workload_through_the_router(cluster):
     assert summary["turns"] == 4 and summary["errors"] == 0
     assert summary["cache_hit_ratio"] > 0.3  # later turns reuse the shared system prompt and their history
     assert summary["ttft_p50_s"] > 0 and summary["cost_usd"] > 0
+
+
+def test_a_worker_failing_before_its_first_token_is_retried_elsewhere(cluster):
+    """A decode worker that is up (/health answers) but refuses work (it expects another API
+    key) fails before its first token: the router marks it down and the request succeeds
+    on the other decode worker."""
+    common = ("--dtype", "float32", "--log-level", "warning")
+    with running_server("--role", "decode", "--api-key", "not-the-routers-key", *common) as refusing, \
+            running_server("--prefill", cluster["p"], "--decode", refusing, cluster["d"], "--policy", "round_robin",
+                           "--no-affinity", "--log-level", "warning", command="router") as router:
+        for i in range(2):  # round robin reaches the refusing worker within two requests
+            r = _client(router).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"Hi {i}"}],
+                                                        max_tokens=4, temperature=0)
+            assert r.choices[0].message.content
+        state = {w["url"]: w["healthy"] for w in httpx.get(f"{router}/router/workers").json()}
+        assert state[cluster["d"]] is True
+    assert metric(cluster["p"], "xlserve_kv_blocks_used") == 0

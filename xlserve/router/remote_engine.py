@@ -128,13 +128,32 @@ class RemoteEngine:
         finally:
             self.inflight -= 1
 
+    async def _retrying(self, stage: str, route: RouteRequest, stream_on):
+        """Stream from a worker of ``stage``; one that fails before its first output is marked
+        down and the request moves to another (a failure after that reaches the client)."""
+        tried: set[str] = set()
+        while True:
+            worker = self._pick(stage, route, tried)
+            started = False
+            try:
+                async for out in stream_on(worker):
+                    started = True
+                    yield out
+                self.index.record(route.block_hashes, worker.url)  # it holds the prompt's blocks now
+                return
+            except WorkerFailed as e:
+                if started:
+                    raise
+                self.pool.mark_down(worker, str(e))
+                tried.add(worker.url)
+
     async def _pd(self, request_id, prompt_ids, params, route, acc):
         tried: set[str] = set()
         while True:  # retry the prefill on another worker if one fails before the first token
             prefill = self._pick("prefill", route, tried)
-            single = params.guided is not None or prefill.role == "both" and prefill.can("decode")
-            if single:
-                async for out in self._stream(prefill, prompt_ids, params, None, acc, request_id):
+            if params.guided is not None or prefill.role == "both":  # the whole request on one worker
+                async for out in self._retrying("prefill", route, lambda w: self._stream(
+                        w, prompt_ids, params, None, acc, request_id)):
                     yield out
                 return
             try:
@@ -145,20 +164,20 @@ class RemoteEngine:
                 tried.add(prefill.url)
         self.index.record(route.block_hashes, prefill.url)
         acc.cached = first["cached_tokens"]
-        yield acc.add(first["token_ids"], first["text"], first.get("logprobs"), first["finish_reason"]
-                      if first["finish_reason"] == "stop" or params.max_tokens == 1 else None)
-        if first["finish_reason"] == "stop" or params.max_tokens == 1:
-            await self._release(prefill, first.get("kv"))
+        done = first["finish_reason"] == "stop" or params.max_tokens == 1
+        yield acc.add(first["token_ids"], first["text"], first.get("logprobs"), first["finish_reason"] if done else None)
+        handle = first.get("kv")
+        if done:
+            await self._release(prefill, handle)
             return
-        decode = self._pick("decode", route, set())
         rest = SamplingParams(**{**asdict(params), "max_tokens": params.max_tokens - 1})
         try:
-            async for out in self._stream(decode, prompt_ids + first["token_ids"], rest, first.get("kv"), acc,
-                                          request_id, on_first=lambda: self._release(prefill, first.get("kv"))):
+            async for out in self._retrying("decode", route, lambda w: self._stream(
+                    w, prompt_ids + first["token_ids"], rest, handle, acc, request_id,
+                    on_first=lambda: self._release(prefill, handle))):
                 yield out
         finally:
-            await self._release(prefill, first.get("kv"))
-        self.index.record(route.block_hashes, decode.url)
+            await self._release(prefill, handle)
 
     async def _prefill(self, worker: Worker, ids, params, request_id) -> dict:
         body = {"request_id": f"{request_id}-p", "prompt_token_ids": ids, "sampling": sampling_json(params),
