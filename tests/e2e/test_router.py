@@ -32,8 +32,10 @@ def test_pd_greedy_equals_colocated_streamed_and_not(cluster):
     routed = raw.parse()
     assert routed.choices[0].message.content == colocated
     assert raw.headers["x-xlserve-served-by"] == f"prefill={cluster['p']}, decode={cluster['d']}"
-    stream = _client(cluster["router"]).chat.completions.create(stream=True, stream_options={"include_usage": True},
-                                                                **kw)
+    raw_stream = _client(cluster["router"]).chat.completions.with_raw_response.create(
+        stream=True, stream_options={"include_usage": True}, **kw)
+    assert raw_stream.headers["x-xlserve-served-by"] == f"prefill={cluster['p']}, decode={cluster['d']}"
+    stream = raw_stream.parse()
     text, usage = "", None
     for chunk in stream:
         text += "".join(c.delta.content or "" for c in chunk.choices)

@@ -105,7 +105,16 @@ class RemoteEngine:
             raise EngineBusy(f"{self.inflight} requests in flight (limit {self.max_inflight})")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context is {self.max_model_len}")
-        return RemoteStream(self._run(request_id, list(prompt_ids), params))
+        # Route now, before any byte of the answer, so the response headers can name the workers.
+        route = RouteRequest(block_hashes(list(prompt_ids), self.block_size, self.extra_key), len(prompt_ids),
+                             SESSION.get())
+        prefill = self._pick("prefill", route, set())
+        single = params.guided is not None or prefill.role == "both"
+        decode = prefill if single else self._pick("decode", route, set())
+        self._served(prefill, "prefill" if not single else "worker")
+        if not single:
+            self._served(decode, "decode")
+        return RemoteStream(self._run(request_id, list(prompt_ids), params, route, prefill, decode))
 
     def _pick(self, stage: str, route: RouteRequest, exclude: set[str]) -> Worker:
         candidates = [w for w in self.pool.candidates(stage) if w.url not in exclude]
@@ -117,23 +126,21 @@ class RemoteEngine:
             self.metrics.observe_route(stage, worker.url, cached.get(worker.url, 0) * self.block_size)
         return worker
 
-    async def _run(self, request_id, prompt_ids, params):
+    async def _run(self, request_id, prompt_ids, params, route, prefill, decode):
         self.inflight += 1
         try:
-            hashes = block_hashes(prompt_ids, self.block_size, self.extra_key)
-            route = RouteRequest(hashes, len(prompt_ids), SESSION.get())
             acc = _Accumulator(request_id, prompt_ids)
-            async for out in self._pd(request_id, prompt_ids, params, route, acc):
+            async for out in self._pd(request_id, prompt_ids, params, route, acc, prefill, decode):
                 yield out
         finally:
             self.inflight -= 1
 
-    async def _retrying(self, stage: str, route: RouteRequest, stream_on):
-        """Stream from a worker of ``stage``; one that fails before its first output is marked
-        down and the request moves to another (a failure after that reaches the client)."""
+    async def _retrying(self, stage: str, route: RouteRequest, stream_on, first: Worker):
+        """Stream from ``first``, a worker of ``stage``; one that fails before its first output is
+        marked down and the request moves to another (a failure after that reaches the client)."""
         tried: set[str] = set()
         while True:
-            worker = self._pick(stage, route, tried)
+            worker = first if not tried else self._pick(stage, route, tried)
             started = False
             try:
                 async for out in stream_on(worker):
@@ -147,15 +154,16 @@ class RemoteEngine:
                 self.pool.mark_down(worker, str(e))
                 tried.add(worker.url)
 
-    async def _pd(self, request_id, prompt_ids, params, route, acc):
+    async def _pd(self, request_id, prompt_ids, params, route, acc, prefill, decode):
+        if decode is prefill:  # the whole request on one worker
+            async for out in self._retrying("prefill", route, lambda w: self._stream(
+                    w, prompt_ids, params, None, acc, request_id), prefill):
+                yield out
+            return
         tried: set[str] = set()
         while True:  # retry the prefill on another worker if one fails before the first token
-            prefill = self._pick("prefill", route, tried)
-            if params.guided is not None or prefill.role == "both":  # the whole request on one worker
-                async for out in self._retrying("prefill", route, lambda w: self._stream(
-                        w, prompt_ids, params, None, acc, request_id)):
-                    yield out
-                return
+            if tried:
+                prefill = self._pick("prefill", route, tried)
             try:
                 first = await self._prefill(prefill, prompt_ids, params, request_id)
                 break
@@ -174,7 +182,7 @@ class RemoteEngine:
         try:
             async for out in self._retrying("decode", route, lambda w: self._stream(
                     w, prompt_ids + first["token_ids"], rest, handle, acc, request_id,
-                    on_first=lambda: self._release(prefill, handle))):
+                    on_first=lambda: self._release(prefill, handle)), decode):
                 yield out
         finally:
             await self._release(prefill, handle)
@@ -193,7 +201,6 @@ class RemoteEngine:
             raise ValueError(r.json()["error"]["message"])
         if r.status_code != 200:
             raise WorkerFailed(f"prefill answered {r.status_code}: {r.text[:200]}")
-        self._served(worker, "prefill")
         return r.json()
 
     async def _release(self, worker: Worker, handle: dict | None) -> None:
@@ -220,7 +227,6 @@ class RemoteEngine:
                     raise ValueError(json.loads(await r.aread())["error"]["message"])
                 if r.status_code != 200:
                     raise WorkerFailed(f"decode answered {r.status_code}")
-                self._served(worker, "decode")
                 first_event = True
                 async for line in r.aiter_lines():
                     if not line.startswith("data: {"):

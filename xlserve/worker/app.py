@@ -72,8 +72,8 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
               request_hook=None, response_headers=None, title: str = "xlserve worker") -> FastAPI:
     """The OpenAI-compatible app. ``internal``: add the disaggregation endpoints (workers);
     ``request_hook(request)``: called first on each generation request (the router reads
-    its session header there); ``response_headers()``: extra headers of non-streamed
-    answers (the router names the workers that served)."""
+    its session header there); ``response_headers()``: extra response headers (the router
+    names the workers it routed to)."""
     app = FastAPI(title=title, docs_url=None, redoc_url=None)
     state.prices = PriceTable(config.price_input, config.price_cached_input, config.price_output)
     chat, completions = ChatHandler(state, config.tool_parser), CompletionHandler(state)
@@ -131,7 +131,9 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
             request_hook(request)
         req = await read_json(request, ChatCompletionRequest, config.max_body_bytes)
         if req.stream:
-            return StreamingResponse(await chat.stream(req), media_type="text/event-stream")
+            body = await chat.stream(req)
+            return StreamingResponse(body, media_type="text/event-stream",
+                                     headers=response_headers() if response_headers else None)
         return await until_disconnected(request, chat.complete(req), response_headers)
 
     @app.post("/v1/completions", dependencies=api)
@@ -140,7 +142,9 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
             request_hook(request)
         req = await read_json(request, CompletionRequest, config.max_body_bytes)
         if req.stream:
-            return StreamingResponse(await completions.stream(req), media_type="text/event-stream")
+            body = await completions.stream(req)
+            return StreamingResponse(body, media_type="text/event-stream",
+                                     headers=response_headers() if response_headers else None)
         return await until_disconnected(request, completions.complete(req), response_headers)
 
     if internal:
