@@ -125,27 +125,23 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "xlserve", "max_model_len": state.max_model_len}]}
 
-    @app.post("/v1/chat/completions", dependencies=api)
-    async def chat_completions(request: Request):
+    async def respond(request: Request, model: type[BaseModel], handler):
         if request_hook is not None:
             request_hook(request)
-        req = await read_json(request, ChatCompletionRequest, config.max_body_bytes)
+        req = await read_json(request, model, config.max_body_bytes)
         if req.stream:
-            body = await chat.stream(req)
+            body = await handler.stream(req)
             return StreamingResponse(body, media_type="text/event-stream",
                                      headers=response_headers() if response_headers else None)
-        return await until_disconnected(request, chat.complete(req), response_headers)
+        return await until_disconnected(request, handler.complete(req), response_headers)
+
+    @app.post("/v1/chat/completions", dependencies=api)
+    async def chat_completions(request: Request):
+        return await respond(request, ChatCompletionRequest, chat)
 
     @app.post("/v1/completions", dependencies=api)
     async def text_completions(request: Request):
-        if request_hook is not None:
-            request_hook(request)
-        req = await read_json(request, CompletionRequest, config.max_body_bytes)
-        if req.stream:
-            body = await completions.stream(req)
-            return StreamingResponse(body, media_type="text/event-stream",
-                                     headers=response_headers() if response_headers else None)
-        return await until_disconnected(request, completions.complete(req), response_headers)
+        return await respond(request, CompletionRequest, completions)
 
     if internal:
         app.state.disaggregation = add_internal_routes(app, state, config, api, read_json)

@@ -8,7 +8,7 @@ from xlserve.worker.choices import ChoiceRun, RequestRun, start_choices
 from xlserve.worker.conversation import chat_prompt_ids
 from xlserve.worker.errors import ApiError
 from xlserve.worker.protocol import ChatCompletionRequest
-from xlserve.worker.serving_common import (WorkerState, chat_logprobs, new_id, now,
+from xlserve.worker.serving_common import (WorkerState, chunk_sse, chat_logprobs, new_id, now,
                                            resolve_max_tokens, sse)
 from xlserve.worker.tool_parser import get_tool_parser
 
@@ -81,11 +81,7 @@ class ChatHandler:
         finished = 0
 
         def chunk(choices: list, usage: dict | None = None) -> str:
-            body = {"id": run.request_id, "object": "chat.completion.chunk", "created": created,
-                    "model": model, "choices": choices}
-            if usage is not None:
-                body["usage"] = usage
-            return sse(body)
+            return chunk_sse(run.request_id, "chat.completion.chunk", created, model, choices, usage)
 
         for c in run.choices:
             yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},

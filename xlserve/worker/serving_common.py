@@ -60,6 +60,14 @@ def resolve_max_tokens(state: WorkerState, num_prompt: int, requested: int | Non
     return requested
 
 
+def chunk_sse(request_id: str, obj: str, created: int, model: str, choices: list, usage: dict | None = None) -> str:
+    """One streamed chunk of a completion (``obj``: its OpenAI object name)."""
+    body = {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return sse(body)
+
+
 def sse(payload: dict | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
     return f"data: {data}\n\n"

@@ -7,7 +7,7 @@ from typing import AsyncIterator
 from xlserve.worker.choices import ChoiceRun, RequestRun, start_choices
 from xlserve.worker.errors import ApiError
 from xlserve.worker.protocol import CompletionRequest
-from xlserve.worker.serving_common import (WorkerState, completion_logprobs, new_id, now,
+from xlserve.worker.serving_common import (WorkerState, chunk_sse, completion_logprobs, new_id, now,
                                            resolve_max_tokens, sse)
 
 
@@ -59,11 +59,7 @@ class CompletionHandler:
         offsets = {c.index: 0 for c in run.choices}
 
         def chunk(choices: list, usage: dict | None = None) -> str:
-            body = {"id": run.request_id, "object": "text_completion", "created": created,
-                    "model": model, "choices": choices}
-            if usage is not None:
-                body["usage"] = usage
-            return sse(body)
+            return chunk_sse(run.request_id, "text_completion", created, model, choices, usage)
 
         try:
             for c in run.choices:
