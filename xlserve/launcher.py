@@ -47,20 +47,21 @@ def start_worker(role: str, engine: EngineConfig, key: str, log_level: str,
     return proc, f"http://127.0.0.1:{port}"
 
 
-def wait_healthy(procs: list[tuple[subprocess.Popen, str]], key: str) -> None:
+def wait_healthy(procs: list[tuple[subprocess.Popen, str]]) -> None:
+    """Until every process answers /health; raises if one exits or the time runs out."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     pending = dict((url, proc) for proc, url in procs)
     while pending:
         for url, proc in list(pending.items()):
             if proc.poll() is not None:
-                raise RuntimeError(f"worker {url} exited with code {proc.returncode} while starting")
+                raise RuntimeError(f"{url} exited with code {proc.returncode} while starting")
             try:
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                     del pending[url]
             except httpx.HTTPError:
                 pass
         if time.monotonic() > deadline:
-            raise RuntimeError(f"workers did not start within {STARTUP_TIMEOUT_S} s: {list(pending)}")
+            raise RuntimeError(f"not up within {STARTUP_TIMEOUT_S} s: {list(pending)}")
         time.sleep(0.3)
 
 
@@ -88,7 +89,7 @@ def serve(engine: EngineConfig, server: ServerConfig, colocated: bool, policy: s
     try:
         procs.append(start_worker("prefill", engine, key, server.log_level))
         procs.append(start_worker("decode", engine, key, server.log_level))
-        wait_healthy(procs, key)
+        wait_healthy(procs)
         log.info("workers ready: prefill %s, decode %s", procs[0][1], procs[1][1])
         opts = RouterOptions(prefill=(procs[0][1],), decode=(procs[1][1],), policy=policy,
                              model=engine.model.model, worker_api_key=key)

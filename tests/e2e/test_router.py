@@ -114,18 +114,13 @@ def test_serve_starts_router_prefill_and_decode_and_ctrl_c_stops_all():
     import time
 
     from tests.e2e.server_process import free_port
+    from xlserve.launcher import wait_healthy
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "xlserve.cli", "serve", "--port", str(port), "--log-level",
                              "warning"], start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+        wait_healthy([(proc, url)])
         workers = httpx.get(f"{url}/router/workers").json()
         assert sorted(w["role"] for w in workers) == ["decode", "prefill"]
         r = _client(url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi"}],

@@ -6,7 +6,6 @@ import shutil
 
 import numpy as np
 import pytest
-import torch
 
 from xlserve import LLM, SamplingParams
 from xlserve.loader.gguf_file import GGUFFile

@@ -120,7 +120,7 @@ def run_bench(opts: BenchOptions) -> dict:
     for system in bar:
         bar.set_postfix_str(system)
         if not available(system):
-            results["skipped"][system] = f"not installed (pip install -e .[peers])"
+            results["skipped"][system] = "not installed (pip install -e .[peers])"
             continue
         spec = {"system": system, "model": bf16, "gguf": bf16, "dtype": opts.dtype, "threads": opts.threads,
                 "kv_tokens": opts.kv_tokens, "budget": opts.budget, "workload": workload,

@@ -10,10 +10,8 @@ import os
 import secrets
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 
-import httpx
 from tqdm.auto import tqdm
 
 from xlserve.bench.agentic import run_agentic, summarize
@@ -59,16 +57,10 @@ def run_setup(setup: Setup, engine: EngineConfig, workload: dict, progress) -> d
             proc, url = start_worker(role if role != "both" else "both", engine, key, "warning", list(cores))
             procs.append((proc, url))
             urls.setdefault(role, []).append(url)
-        wait_healthy(procs, key)
+        wait_healthy(procs)
         router = _router(urls, setup.router_flags, key)
         procs.append(router)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{router[1]}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
+        wait_healthy([router])
         result = asyncio.run(run_agentic(router[1], progress=progress, **workload))
         return {"setup": setup.name, **summarize(result)}
     finally:

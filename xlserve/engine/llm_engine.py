@@ -22,6 +22,7 @@ from xlserve.engine.outputs import CompletionOutput, RequestOutput
 from xlserve.engine.request import FinishReason, Request
 from xlserve.engine.scheduler import Scheduler
 from xlserve.loader.model_loader import LoadedModel, load_model
+from xlserve.loader.tokenizer import prompt_token_ids
 from xlserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -53,19 +54,7 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; pass token ids instead of text")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-            vocab = self.loaded.arch.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"token ids must be in [0, {vocab}); got {bad[:5]}")
-        if not ids:
-            raise ValueError("the prompt is empty; give at least one token")
-        return ids
+        return prompt_token_ids(self.tokenizer, prompt)
 
     def validate_request(self, ids: list[int], params: SamplingParams) -> None:
         """Refuse what can never run; reads only immutable state, so any thread may call it."""

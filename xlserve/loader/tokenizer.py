@@ -53,6 +53,20 @@ class Tokenizer:
                            add_special_tokens=False)
 
 
+def prompt_token_ids(tokenizer: Tokenizer | None, prompt: str | Sequence[int]) -> list[int]:
+    """A prompt as token ids: text is encoded, ids pass through (their range is checked
+    where the model is known). Empty prompts are refused."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer; pass token ids instead of text")
+        ids = tokenizer.encode(prompt)
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise ValueError("the prompt is empty; give at least one token")
+    return ids
+
+
 def _token_content(value) -> str | None:
     if isinstance(value, dict):
         return value.get("content")

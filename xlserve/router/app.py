@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 
 from xlserve.config import ServerConfig
 from xlserve.loader.model_loader import load_tokenizer
+from xlserve.loader.tokenizer import prompt_token_ids
 from xlserve.router.index import PrefixIndex
 from xlserve.router.metrics import RouterMetrics
 from xlserve.router.policies import make_policy
@@ -51,13 +52,7 @@ class RouterFront:
         self.remote = remote
 
     def tokenize(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("the prompt is empty; give at least one token")
-        return ids
+        return prompt_token_ids(self.tokenizer, prompt)
 
 
 def build_router_app(opts: RouterOptions, config: ServerConfig):
