@@ -47,8 +47,9 @@ def test_pd_equals_colocated_and_releases_pins(workers):
     handle = first["kv"]
     assert handle["transport"] == "tcp" and len(handle["block_hashes"]) == len(ids) // 16
     assert metric(p, "xlserve_kv_blocks_used") == len(ids) // 16  # pinned for the pull
-    second = _generate(d, prompt_token_ids=ids + first["token_ids"], kv_import=handle,
-                       sampling={**SAMPLING, "max_tokens": SAMPLING["max_tokens"] - 1}).json()
+    assert first["finish_reason"] == "paused"
+    second = _generate(d, prompt_token_ids=ids, kv_import=handle, resume_token_ids=first["token_ids"],
+                       sampling=SAMPLING).json()
     assert second["kv_import"]["blocks"] == len(ids) // 16 and second["kv_import"]["error"] is None
     assert second["cached_tokens"] >= (len(ids) // 16) * 16 - 16
     assert first["token_ids"] + second["token_ids"] == colocated["token_ids"]
@@ -62,8 +63,8 @@ def test_pd_streamed_equals_colocated(workers):
     colocated = _generate(p, prompt_token_ids=ids, sampling=SAMPLING).json()["token_ids"]
     first = _generate(p, prompt_token_ids=ids, sampling=SAMPLING, kv_export=True).json()
     tokens, final = [], None
-    body = {"prompt_token_ids": ids + first["token_ids"], "kv_import": first["kv"], "stream": True,
-            "sampling": {**SAMPLING, "max_tokens": SAMPLING["max_tokens"] - 1}}
+    body = {"prompt_token_ids": ids, "resume_token_ids": first["token_ids"], "kv_import": first["kv"],
+            "stream": True, "sampling": SAMPLING}
     with httpx.stream("POST", f"{d}/internal/generate", json=body, timeout=120) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -82,13 +83,11 @@ def test_failed_pull_recomputes_or_fails_and_leaves_no_pin(workers):
     colocated = _generate(p, prompt_token_ids=ids, sampling=SAMPLING).json()["token_ids"]
     first = _generate(p, prompt_token_ids=ids, sampling=SAMPLING, kv_export=True).json()
     broken = {**first["kv"], "port": 1}  # nothing listens there
-    rest = {**SAMPLING, "max_tokens": SAMPLING["max_tokens"] - 1}
-    recomputed = _generate(d, prompt_token_ids=ids + first["token_ids"], kv_import=broken, sampling=rest,
-                           on_pull_failure="recompute").json()
+    resume = {"resume_token_ids": first["token_ids"], "sampling": SAMPLING}
+    recomputed = _generate(d, prompt_token_ids=ids, kv_import=broken, on_pull_failure="recompute", **resume).json()
     assert recomputed["kv_import"]["error"] and recomputed["kv_import"]["blocks"] == 0
     assert first["token_ids"] + recomputed["token_ids"] == colocated
-    failed = _generate(d, prompt_token_ids=ids + first["token_ids"], kv_import=broken, sampling=rest,
-                       on_pull_failure="fail")
+    failed = _generate(d, prompt_token_ids=ids, kv_import=broken, on_pull_failure="fail", **resume)
     assert failed.status_code == 502 and "KV pull failed" in failed.json()["error"]["message"]
     httpx.post(f"{p}/internal/kv/release", json={"pin_id": first["kv"]["pin_id"]})
     _wait_unpinned(p)
@@ -104,3 +103,5 @@ def test_roles_and_bad_internal_requests(workers):
     assert _generate(d, prompt_token_ids=[]).status_code == 400
     assert _generate(d, prompt_token_ids=[1, 2], sampling={"top_p": 2.0}).status_code == 400
     assert _generate(d, prompt_token_ids=[10 ** 9]).status_code == 400
+    too_many = _generate(d, prompt_token_ids=[1, 2], resume_token_ids=[5, 6], sampling={"max_tokens": 2})
+    assert too_many.status_code == 400 and "leave nothing to generate" in too_many.json()["error"]["message"]

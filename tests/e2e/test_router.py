@@ -46,6 +46,42 @@ def test_pd_greedy_equals_colocated_streamed_and_not(cluster):
     assert metric(cluster["d"], "xlserve_kv_blocks_used") == 0
 
 
+def _streamed_text(client, **kw):
+    return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                   if c.choices)
+
+
+SCHEMA = {"type": "object", "properties": {"river": {"type": "string"}, "km": {"type": "integer"}},
+          "required": ["river", "km"], "additionalProperties": False}
+
+
+def test_pd_continues_seeds_grammars_and_stop_strings_like_one_worker(cluster):
+    """The decode worker resumes the prefill's answer: a seeded sample, a JSON-schema answer
+    and a stop string that spans the first and second token come out as on one worker."""
+    colocated, routed = _client(cluster["d"]), _client(cluster["router"])
+    seeded = dict(model=MODEL, messages=QUESTION, max_tokens=16, temperature=1.0, top_p=0.9, seed=11,
+                  frequency_penalty=0.4)
+    guided = dict(model=MODEL, messages=QUESTION, max_tokens=40, temperature=0,
+                  response_format={"type": "json_schema", "json_schema": {"name": "river", "schema": SCHEMA}})
+    for kw in (seeded, guided):
+        want = colocated.chat.completions.create(**kw).choices[0].message.content
+        assert routed.chat.completions.create(**kw).choices[0].message.content == want
+        assert _streamed_text(routed, **kw) == want
+    text = colocated.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4,
+                                             temperature=0).choices[0].message.content
+    cut = len(colocated.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1,
+                                                temperature=0).choices[0].message.content)
+    stop = text[cut - 1:cut + 1]  # one character each side of the hand-off
+    kw = dict(model=MODEL, messages=QUESTION, max_tokens=4, temperature=0, stop=[stop])
+    want = colocated.chat.completions.create(**kw).choices[0]
+    got = routed.chat.completions.create(**kw).choices[0]
+    assert (got.message.content, got.finish_reason) == (want.message.content, "stop")
+    assert stop not in want.message.content
+    assert _streamed_text(routed, **kw) == want.message.content
+    assert metric(cluster["p"], "xlserve_kv_blocks_used") == 0
+    assert metric(cluster["d"], "xlserve_kv_blocks_used") == 0
+
+
 def test_second_turn_reports_cached_prefix_through_the_router(cluster):
     client = _client(cluster["router"])
     first = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0)

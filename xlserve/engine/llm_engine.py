@@ -19,7 +19,7 @@ from xlserve.engine.kv_blocks import DTYPE_NAMES, KVBlockStore, KVLayout, KVPayl
 from xlserve.hashing import BlockHash, block_hashes
 from xlserve.engine.model_runner import ModelRunner
 from xlserve.engine.outputs import CompletionOutput, RequestOutput
-from xlserve.engine.request import FinishReason, Request
+from xlserve.engine.request import FinishReason, HandOff, Request
 from xlserve.engine.scheduler import Scheduler
 from xlserve.loader.model_loader import LoadedModel, load_model
 from xlserve.loader.tokenizer import prompt_token_ids
@@ -56,12 +56,19 @@ class LLMEngine:
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         return prompt_token_ids(self.tokenizer, prompt)
 
-    def validate_request(self, ids: list[int], params: SamplingParams) -> None:
+    def validate_request(self, ids: list[int], params: SamplingParams, handoff: HandOff | None = None) -> None:
         """Refuse what can never run; reads only immutable state, so any thread may call it."""
         vocab = self.loaded.arch.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
+        resumed = list(handoff.resume) if handoff else []
+        bad = [t for t in ids + resumed if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token ids must be in [0, {vocab}); got {bad[:5]}")
+        if len(resumed) >= params.max_tokens:
+            raise ValueError(f"{len(resumed)} resumed output tokens leave nothing to generate under "
+                             f"max_tokens={params.max_tokens}")
+        if resumed and len(ids) + len(resumed) >= self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)}) + resumed output ({len(resumed)}) tokens fill this "
+                             f"model's context of {self.max_model_len}")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is "
                              f"{self.max_model_len} tokens, so a prompt may have at most "
@@ -76,15 +83,23 @@ class LLMEngine:
         if params.guided is not None:
             self.guided.validate(params.guided)
 
-    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> Request:
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+                    handoff: HandOff | None = None) -> Request:
+        """Queue a request. ``handoff`` splits one answer over two workers (see ``HandOff``)."""
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.tokenize(prompt)
-        self.validate_request(ids, params)
-        request = Request(request_id, ids, params, self.eos_token_ids, self.block_size, self.extra_key)
-        self._detokenizers[request_id] = Detokenizer(
-            self.tokenizer, params.stop, params.include_stop_str_in_output,
-            params.skip_special_tokens) if self.tokenizer else None
+        self.validate_request(ids, params, handoff)
+        request = Request(request_id, ids, params, self.eos_token_ids, self.block_size, self.extra_key, handoff)
+        detok = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
+                            params.skip_special_tokens) if self.tokenizer else None
+        resumed = handoff.resume if handoff else ()
+        if resumed and params.guided is not None:
+            self.runner.resume_guided(request_id, params, resumed)
+        for token in resumed if detok else ():
+            detok.add(token)  # the same held-back state the first worker ended with; its text was sent there
+        request.num_resumed_chars = detok.emitted if detok else 0
+        self._detokenizers[request_id] = detok
         self.scheduler.add_request(request)
         return request
 
@@ -115,7 +130,8 @@ class LLMEngine:
         detok = self._detokenizers.get(req.request_id)
         if detok is None:
             return ""
-        text = detok.add(req.output_token_ids[-1], final=req.is_finished)
+        # A paused request's answer goes on elsewhere: what is held back stays held back.
+        text = detok.add(req.output_token_ids[-1], final=req.is_finished and req.finish_reason != FinishReason.PAUSED)
         if detok.stopped and not req.is_finished:
             self.scheduler.finish(req.request_id, FinishReason.STOP)
         return text
@@ -124,9 +140,9 @@ class LLMEngine:
         detok = self._detokenizers.get(req.request_id)
         if req.is_finished:
             self._detokenizers.pop(req.request_id, None)
-        text = detok.text[:detok.emitted] if detok else ""
+        text = detok.text[req.num_resumed_chars:detok.emitted] if detok else ""
         finish = req.finish_reason.value if req.finish_reason else None
-        completion = CompletionOutput(0, text, list(req.output_token_ids), finish,
+        completion = CompletionOutput(0, text, req.output_token_ids[req.num_resumed_tokens:], finish,
                                       list(req.output_logprobs) if req.params.logprobs is not None else None)
         metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
                    "finished_time": time.monotonic() if req.is_finished else None,

@@ -42,7 +42,7 @@ class ModelRunner:
             torch.empty((), dtype=loaded.dtype).element_size()
         self.fused_shapes = cpu_ops.supports_shape(arch.num_heads, arch.num_kv_heads, arch.head_dim)
         self.sampler = Sampler()
-        self.generators: dict[str, torch.Generator] = {}
+        self.generators: dict[str, tuple[int, torch.Generator]] = {}
         self.guided = guided
         self.matchers: dict[str, object] = {}  # request id -> grammar matcher
 
@@ -133,11 +133,31 @@ class ModelRunner:
             matcher = self.matchers[s.request_id] = self.guided.matcher(s.params.guided)
         return matcher
 
+    def resume_guided(self, request_id: str, params, tokens: tuple[int, ...]) -> None:
+        """Bring a resumed request's grammar state past the output it already has."""
+        matcher = self.matchers[request_id] = self.guided.matcher(params.guided)
+        for token in tokens:
+            if not matcher.consume_token(token):
+                self.matchers.pop(request_id)
+                raise ValueError(f"the resumed output token {token} is not allowed by the {params.guided.kind} "
+                                 f"constraint")
+
     def _generator(self, s: ScheduledRequest) -> torch.Generator:
-        gen = self.generators.get(s.request_id)
-        if gen is None:
-            # One generator per request: its draws depend on its own seed and history only.
-            gen = torch.Generator()
-            gen.manual_seed(s.seed if s.seed is not None else int(torch.randint(0, 2**62, (1,))))
-            self.generators[s.request_id] = gen
+        """The generator for this draw, seeded from (request seed, output position): a
+        draw depends on neither the batch nor the worker, so a seeded answer is the same
+        alone, batched, preempted, or split over prefill and decode workers."""
+        entry = self.generators.get(s.request_id)
+        if entry is None:
+            base = s.seed if s.seed is not None else int(torch.randint(0, 2**62, (1,)))
+            entry = self.generators[s.request_id] = (base, torch.Generator())
+        base, gen = entry
+        gen.manual_seed(_mix(base, s.output_index))
         return gen
+
+
+def _mix(seed: int, index: int) -> int:
+    """SplitMix64 finalizer of (seed, index): nearby positions get unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass
 
 from xlserve.hashing import BlockHash, extend_block_hashes
 from xlserve.sampling_params import SamplingParams
@@ -24,15 +25,39 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    PAUSED = "paused"  # stopped at a hand-off point; the answer continues on another worker
+
+
+@dataclass(frozen=True)
+class HandOff:
+    """One answer generated on two workers (prefill -> decode).
+
+    ``pause_after``: the prefill side stops after this many output tokens without ending
+    the answer (held-back text such as a possible stop-string prefix stays held back).
+    ``resume``: the decode side starts with these output tokens already generated, so
+    penalties, seeded draws, grammar state, stop strings and text continue exactly as on
+    one worker.
+    """
+    pause_after: int | None = None
+    resume: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.pause_after is not None and self.pause_after < 1:
+            raise ValueError(f"pause_after must be at least 1; got {self.pause_after}")
 
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: set[int], block_size: int, extra_key: bytes = b""):
+                 eos_token_ids: set[int], block_size: int, extra_key: bytes = b"",
+                 handoff: HandOff | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
-        self.output_token_ids: list[int] = []
-        self.all_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = list(handoff.resume) if handoff else []
+        self.all_token_ids = self.prompt_token_ids + self.output_token_ids
+        self.pause_after = handoff.pause_after if handoff else None
+        # What another worker already delivered: outputs report only what follows.
+        self.num_resumed_tokens = len(self.output_token_ids)
+        self.num_resumed_chars = 0
         self.params = params
         self.eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
         self.stop_token_ids = set(params.stop_token_ids)
@@ -82,4 +107,6 @@ class Request:
             self.finish_reason = FinishReason.STOP
         elif self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:
             self.finish_reason = FinishReason.LENGTH
+        elif self.pause_after is not None and self.num_output_tokens >= self.pause_after:
+            self.finish_reason = FinishReason.PAUSED
         return self.finish_reason is not None

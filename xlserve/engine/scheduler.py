@@ -27,6 +27,7 @@ class ScheduledRequest:
     sample: bool  # the chunk reaches the last known token: sample the next one
     params: SamplingParams
     seed: int | None
+    output_index: int  # how many output tokens precede the one this step samples
     prompt_token_ids: list[int] | None = None  # only when penalties need the history
     output_token_ids: list[int] | None = None
 
@@ -110,6 +111,7 @@ class Scheduler:
             request_id=req.request_id, token_ids=req.all_token_ids[start:start + n],
             start_position=start, block_ids=self.kv.block_ids(req.request_id),
             sample=start + n == req.num_tokens, params=req.params, seed=req.params.seed,
+            output_index=req.num_output_tokens,
             prompt_token_ids=req.prompt_token_ids if penalties else None,
             output_token_ids=list(req.output_token_ids) if penalties else None)
 

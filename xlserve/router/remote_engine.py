@@ -6,7 +6,8 @@ Per request: pick a prefill worker and a decode worker; the prefill worker compu
 prompt and answers the first token (emitted at once: TTFT is the prefill's) with a KV
 handle; the decode worker pulls the blocks and streams the rest. ``cached_tokens`` is the
 prefill's. A worker that fails before the first token is marked down and the request is
-retried on another; guided requests run on one worker (the grammar state lives there).
+retried on another. The decode worker resumes the answer after the prefill's token
+(``HandOff``), so seeds, penalties, grammars, stop strings and text carry over.
 """
 
 from __future__ import annotations
@@ -100,7 +101,10 @@ class RemoteEngine:
         self.dead = None
         self.stats = {}
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RemoteStream:
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+               handoff: None = None) -> RemoteStream:
+        if handoff is not None:
+            raise ValueError("the router splits answers itself; it takes no hand-off")
         if self.inflight >= self.max_inflight:
             raise EngineBusy(f"{self.inflight} requests in flight (limit {self.max_inflight})")
         if len(prompt_ids) >= self.max_model_len:
@@ -109,7 +113,7 @@ class RemoteEngine:
         route = RouteRequest(block_hashes(list(prompt_ids), self.block_size, self.extra_key), len(prompt_ids),
                              SESSION.get())
         prefill = self._pick("prefill", route, set())
-        single = params.guided is not None or prefill.role == "both"
+        single = prefill.role == "both"
         decode = prefill if single else self._pick("decode", route, set())
         self._served(prefill, "prefill" if not single else "worker")
         if not single:
@@ -172,16 +176,16 @@ class RemoteEngine:
                 tried.add(prefill.url)
         self.index.record(route.block_hashes, prefill.url)
         acc.cached = first["cached_tokens"]
-        done = first["finish_reason"] == "stop" or params.max_tokens == 1
-        yield acc.add(first["token_ids"], first["text"], first.get("logprobs"), first["finish_reason"] if done else None)
+        paused = first["finish_reason"] == "paused"  # else the answer ended with its first token
+        yield acc.add(first["token_ids"], first["text"], first.get("logprobs"),
+                      None if paused else first["finish_reason"])
         handle = first.get("kv")
-        if done:
+        if not paused:
             await self._release(prefill, handle)
             return
-        rest = SamplingParams(**{**asdict(params), "max_tokens": params.max_tokens - 1})
         try:
             async for out in self._retrying("decode", route, lambda w: self._stream(
-                    w, prompt_ids + first["token_ids"], rest, handle, acc, request_id,
+                    w, prompt_ids, params, handle, acc, request_id, resume=first["token_ids"],
                     on_first=lambda: self._release(prefill, handle)), decode):
                 yield out
         finally:
@@ -216,9 +220,10 @@ class RemoteEngine:
         if served is not None:
             served.append(f"{stage}={worker.url}")
 
-    async def _stream(self, worker, ids, params, handle, acc, request_id, on_first=None):
+    async def _stream(self, worker, ids, params, handle, acc, request_id, resume=(), on_first=None):
         body = {"request_id": f"{request_id}-d", "prompt_token_ids": ids, "sampling": sampling_json(params),
-                "stream": True, "kv_import": {k: v for k, v in (handle or {}).items() if k != "_released"} or None}
+                "stream": True, "kv_import": {k: v for k, v in (handle or {}).items() if k != "_released"} or None,
+                "resume_token_ids": list(resume)}
         worker.decode_tokens += len(ids)
         started = time.monotonic()
         try:

@@ -16,6 +16,7 @@ from typing import AsyncIterator, Sequence
 
 from xlserve.engine.llm_engine import LLMEngine
 from xlserve.engine.outputs import RequestOutput
+from xlserve.engine.request import HandOff
 from xlserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -88,8 +89,8 @@ class AsyncEngine:
     def num_pending(self) -> int:
         return len(self._streams)
 
-    def submit(self, request_id: str, prompt_ids: Sequence[int],
-               params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    def submit(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+               handoff: HandOff | None = None) -> AsyncIterator[RequestOutput]:
         """Check and enqueue now (raising ``ValueError``, ``EngineBusy`` or ``EngineDead``
         before any byte of a response is sent), then stream the outputs. Closing the
         stream early (client gone) aborts the request and frees its blocks."""
@@ -100,10 +101,10 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids = list(prompt_ids)
-        self.engine.validate_request(prompt_ids, params)
+        self.engine.validate_request(prompt_ids, params, handoff)
         stream = RequestStream(self, request_id)
         self._streams[request_id] = (asyncio.get_running_loop(), stream.queue)
-        self._commands.put(("add", request_id, prompt_ids, params))
+        self._commands.put(("add", request_id, prompt_ids, params, handoff))
         return stream
 
     def release(self, request_id: str, abort: bool) -> None:
@@ -143,11 +144,11 @@ class AsyncEngine:
     def _handle(self, command) -> None:
         kind = command[0]
         if kind == "add":
-            _, request_id, ids, params = command
+            _, request_id, ids, params, handoff = command
             if request_id not in self._streams:
                 return  # the client left before the request reached the engine
             try:
-                self.engine.add_request(request_id, ids, params)
+                self.engine.add_request(request_id, ids, params, handoff)
             except ValueError as e:
                 self._deliver(request_id, e)
         elif kind == "abort":

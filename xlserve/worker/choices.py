@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from xlserve.engine.outputs import RequestOutput
+from xlserve.engine.request import HandOff
 from xlserve.sampling_params import SamplingParams
 from xlserve.worker.async_engine import AsyncEngine
 from xlserve.worker.errors import ApiError
@@ -28,6 +29,7 @@ class ChoiceRun:
     prompt_ids: list[int]
     params: SamplingParams
     primary: bool = True  # first choice of its prompt: counts the prompt in metrics
+    handoff: HandOff | None = None  # one half of an answer split over prefill and decode workers
     final: RequestOutput | None = None
     last_time: float | None = None
 
@@ -65,7 +67,7 @@ def start_choices(engine: AsyncEngine, run: RequestRun,
     streams = []
     try:
         for c in run.choices:
-            streams.append(engine.submit(f"{run.request_id}-{c.index}", c.prompt_ids, c.params))
+            streams.append(engine.submit(f"{run.request_id}-{c.index}", c.prompt_ids, c.params, c.handoff))
     except BaseException as e:
         for stream in streams:
             stream.close()

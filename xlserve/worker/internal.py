@@ -2,9 +2,12 @@
 
 - ``POST /internal/generate``: token ids in, tokens out (streamed or not). With
   ``kv_export`` (prefill role) it computes the prompt, answers the first token and a KV
-  handle, and pins the prompt's blocks for a bounded time. With ``kv_import`` (decode
-  role) it first pulls those blocks through the transport into its own pool; if the
-  pull fails it recomputes the prefill itself, or fails, as the policy says.
+  handle, and pins the prompt's blocks for a bounded time; unless the answer ends there,
+  its finish reason is ``paused`` (held-back text, such as a possible stop-string
+  prefix, is not released). With ``kv_import`` (decode role) it first pulls those blocks
+  through the transport into its own pool; if the pull fails it recomputes the prefill
+  itself, or fails, as the policy says. ``resume_token_ids`` (the prefill's output)
+  makes the decode side continue that answer exactly as one worker would.
 - ``POST /internal/kv/release``: unpin exported blocks once the decode side has them.
 - ``GET /internal/kv/events?since=N&epoch=E``: block hashes stored/removed since N, or a
   snapshot when the reader cannot be caught up.
@@ -14,7 +17,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from typing import Literal
 
@@ -23,6 +25,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import Field
 
 from xlserve.config import ServerConfig
+from xlserve.engine.request import HandOff
 from xlserve.sampling_params import GuidedSpec, SamplingParams
 from xlserve.transfer.base import TransferError, transport
 from xlserve.worker.choices import ChoiceRun, RequestRun, start_choices
@@ -57,6 +60,7 @@ class InternalGenerateRequest(Strict):
     stream: bool = False
     kv_export: bool = False
     kv_import: dict | None = None
+    resume_token_ids: list[int] = Field(default_factory=list, max_length=4096)
     on_pull_failure: Literal["recompute", "fail"] | None = None
 
 
@@ -138,12 +142,15 @@ def add_internal_routes(app: FastAPI, state: WorkerState, config: ServerConfig, 
                                        "stop_token_ids": tuple(req.sampling.stop_token_ids), "guided": guided})
         except ValueError as e:
             raise ApiError(400, str(e), "sampling") from e
-        if req.kv_export:
-            params = dataclasses.replace(params, max_tokens=1)
+        try:
+            handoff = HandOff(pause_after=1 if req.kv_export else None, resume=tuple(req.resume_token_ids))
+        except ValueError as e:
+            raise ApiError(400, str(e)) from e
         pulled = None
         if req.kv_import is not None:
             pulled = await disagg.pull(req.kv_import, req.on_pull_failure or config.kv_pull_failure)
-        run = RequestRun(req.request_id or new_id("int"), [ChoiceRun(0, list(req.prompt_token_ids), params)])
+        run = RequestRun(req.request_id or new_id("int"), [ChoiceRun(0, list(req.prompt_token_ids), params,
+                                                                         handoff=handoff)])
         events = start_choices(state.async_engine, run, state.metrics)
         if req.stream:
             return StreamingResponse(_stream(run, events, pulled), media_type="text/event-stream")
