@@ -133,6 +133,25 @@ def test_router_index_learns_from_worker_kv_events(cluster):
     assert feed["reset"] and len(feed["snapshot"]) >= blocks["prefill"] - 5
 
 
+def test_router_predicted_cache_hits_match_the_workers_report(cluster):
+    router, client = cluster["router"], _client(cluster["router"])
+    chat = [{"role": "system", "content": "You plan rail journeys across the Alps. " * 20},
+            {"role": "user", "content": "Zurich to Milan?"}]
+
+    def counters():
+        return (metric(router, "xlserve_router_predicted_cached_tokens_total"),
+                metric(router, "xlserve_router_actual_cached_tokens_total"))
+    before = counters()
+    first = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=2, temperature=0)
+    after_first = counters()
+    assert after_first[0] - before[0] == 0 == after_first[1] - before[1]  # a new prompt: nothing cached
+    second = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=2, temperature=0)
+    predicted, actual = (b - a for a, b in zip(after_first, counters()))
+    assert actual == second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
+    assert predicted == actual  # the index knew exactly what the prefill worker held
+    assert "xlserve_router_cache_prediction_error_tokens_bucket" in httpx.get(f"{router}/metrics").text
+
+
 def test_router_metrics_and_errors(cluster):
     text = httpx.get(f"{cluster['router']}/metrics").text
     for name in ("xlserve_router_decisions_total", "xlserve_router_inflight_tokens", "xlserve_kv_transfer_bytes_total",

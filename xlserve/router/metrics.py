@@ -7,6 +7,8 @@ from prometheus_client import Counter, Gauge, Histogram
 from xlserve.router.pool import WorkerPool
 from xlserve.worker.metrics import WorkerMetrics
 
+PREDICTION_ERROR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 16, 64, 256, 1024, 4096)
+
 
 class RouterMetrics(WorkerMetrics):
     def __init__(self, pool: WorkerPool, model_name: str, policy: str):
@@ -15,7 +17,13 @@ class RouterMetrics(WorkerMetrics):
         self.decisions = Counter("xlserve_router_decisions", "Routing decisions", ["policy", "stage", "worker"],
                                  registry=r)
         self.predicted_cached = Counter("xlserve_router_predicted_cached_tokens",
-                                        "Prompt tokens the index predicted cached on the chosen worker", registry=r)
+                                        "Prompt tokens the index predicted cached on the worker that computed "
+                                        "the prompt", registry=r)
+        self.actual_cached = Counter("xlserve_router_actual_cached_tokens",
+                                     "Prompt tokens that worker reported served from its cache", registry=r)
+        self.prediction_error = Histogram("xlserve_router_cache_prediction_error_tokens",
+                                          "Per request: actual - predicted cached prompt tokens",
+                                          buckets=PREDICTION_ERROR_BUCKETS, registry=r)
         self.transfer_bytes = Counter("xlserve_kv_transfer_bytes", "KV bytes pulled by decode workers", registry=r)
         self.transfer_seconds = Histogram("xlserve_kv_transfer_seconds", "KV pull latency", registry=r)
         self.transfer_failures = Counter("xlserve_kv_transfer_failures", "KV pulls that failed", registry=r)
@@ -26,9 +34,13 @@ class RouterMetrics(WorkerMetrics):
             inflight.labels(worker=w.url, kind="decode").set_function(lambda w=w: w.decode_tokens)
         self.policy = policy
 
-    def observe_route(self, stage: str, worker: str, predicted_cached: int) -> None:
+    def observe_route(self, stage: str, worker: str) -> None:
         self.decisions.labels(policy=self.policy, stage=stage, worker=worker).inc()
-        self.predicted_cached.inc(predicted_cached)
+
+    def observe_cache(self, predicted: int, actual: int) -> None:
+        self.predicted_cached.inc(predicted)
+        self.actual_cached.inc(actual)
+        self.prediction_error.observe(actual - predicted)
 
     def observe_transfer(self, info: dict) -> None:
         if info.get("error"):

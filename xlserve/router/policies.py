@@ -10,7 +10,7 @@ import bisect
 import hashlib
 import itertools
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from xlserve.router.pool import Worker
 
@@ -20,6 +20,8 @@ class RouteRequest:
     block_hashes: list[bytes]  # of the prompt, in order
     prompt_tokens: int
     session: str | None  # x-session-affinity
+    # worker url -> prompt tokens the index believed cached there when it was picked
+    predicted_cached: dict[str, int] = field(default_factory=dict, compare=False)
 
 
 class RoutingPolicy(ABC):

@@ -126,9 +126,14 @@ class RemoteEngine:
             raise WorkerFailed(f"no healthy {stage} worker")
         cached = self.index.cached_blocks(route.block_hashes, [w.url for w in candidates])
         worker = self.policy.pick(candidates, route, cached)
+        route.predicted_cached[worker.url] = cached.get(worker.url, 0) * self.block_size
         if self.metrics is not None:
-            self.metrics.observe_route(stage, worker.url, cached.get(worker.url, 0) * self.block_size)
+            self.metrics.observe_route(stage, worker.url)
         return worker
+
+    def _observe_cached(self, route: RouteRequest, worker: Worker, actual: int) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_cache(route.predicted_cached.get(worker.url, 0), actual)
 
     async def _run(self, request_id, prompt_ids, params, route, prefill, decode):
         self.inflight += 1
@@ -161,7 +166,7 @@ class RemoteEngine:
     async def _pd(self, request_id, prompt_ids, params, route, acc, prefill, decode):
         if decode is prefill:  # the whole request on one worker
             async for out in self._retrying("prefill", route, lambda w: self._stream(
-                    w, prompt_ids, params, None, acc, request_id), prefill):
+                    w, prompt_ids, params, None, acc, request_id, route=route), prefill):
                 yield out
             return
         tried: set[str] = set()
@@ -176,6 +181,7 @@ class RemoteEngine:
                 tried.add(prefill.url)
         self.index.record(route.block_hashes, prefill.url)
         acc.cached = first["cached_tokens"]
+        self._observe_cached(route, prefill, acc.cached)
         paused = first["finish_reason"] == "paused"  # else the answer ended with its first token
         yield acc.add(first["token_ids"], first["text"], first.get("logprobs"),
                       None if paused else first["finish_reason"])
@@ -220,7 +226,7 @@ class RemoteEngine:
         if served is not None:
             served.append(f"{stage}={worker.url}")
 
-    async def _stream(self, worker, ids, params, handle, acc, request_id, resume=(), on_first=None):
+    async def _stream(self, worker, ids, params, handle, acc, request_id, resume=(), on_first=None, route=None):
         body = {"request_id": f"{request_id}-d", "prompt_token_ids": ids, "sampling": sampling_json(params),
                 "stream": True, "kv_import": {k: v for k, v in (handle or {}).items() if k != "_released"} or None,
                 "resume_token_ids": list(resume)}
@@ -242,8 +248,9 @@ class RemoteEngine:
                     if first_event and on_first is not None:
                         asyncio.ensure_future(on_first())
                     first_event = False
-                    if event.get("finish_reason") and handle is None:
+                    if event.get("finish_reason") and route is not None:  # this worker computed the prompt
                         acc.cached = event.get("cached_tokens", 0)
+                        self._observe_cached(route, worker, acc.cached)
                     if event.get("kv_import") and self.metrics is not None:
                         self.metrics.observe_transfer(event["kv_import"])
                     yield acc.add(event["token_ids"], event["text"], event.get("logprobs"), event.get("finish_reason"))
