@@ -239,6 +239,18 @@ def test_agentic_workload_through_the_router(cluster):
     assert summary["ttft_p50_s"] > 0 and summary["cost_usd"] > 0
 
 
+def test_trace_replay_through_the_router(cluster):
+    import asyncio
+
+    from xlserve.bench.agentic import summarize
+    from xlserve.bench.trace_replay import TraceReplay, build_requests, load_trace, run_trace
+    replay = TraceReplay(requests=6, length_scale=1 / 64, duration_s=2, seed=3)
+    requests, _ = build_requests(load_trace(replay.path), replay)
+    summary = summarize(asyncio.run(run_trace(cluster["router"], requests)))
+    assert summary["turns"] == 6 and summary["errors"] == 0
+    assert summary["output_tok_s"] > 0 and summary["ttft_p90_s"] > 0
+
+
 def test_a_worker_failing_before_its_first_token_is_retried_elsewhere(cluster):
     """A decode worker that is up (/health answers) but refuses work (it expects another API
     key) fails before its first token: the router marks it down and the request succeeds

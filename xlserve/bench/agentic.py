@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from xlserve.worker.pricing import PriceTable
+
 TOOLS = [{"type": "function", "function": {
     "name": name, "description": desc,
     "parameters": {"type": "object", "properties": {arg: {"type": "string"}}, "required": [arg]}}}
@@ -48,14 +50,13 @@ class WorkloadResult:
     seconds: float = 0.0
 
 
-async def _turn(client: httpx.AsyncClient, url: str, model: str, messages: list, session: str,
-                max_tokens: int) -> tuple[TurnResult, str]:
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+async def stream_request(client: httpx.AsyncClient, url: str, path: str, body: dict,
+                         headers: dict | None = None) -> tuple[TurnResult, str]:
+    """POST one streamed request (chat or text completion) and time its chunks."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     start = time.monotonic()
-    stamps, text, usage = [], "", {}
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body,
-                             headers={"x-session-affinity": session}) as r:
+    stamps, text, usage, timings = [], "", {}, {}
+    async with client.stream("POST", f"{url}{path}", json=body, headers=headers or {}) as r:
         if r.status_code != 200:
             return TurnResult(0, [], 0, 0, 0, 0, error=f"HTTP {r.status_code}"), ""
         async for line in r.aiter_lines():
@@ -65,15 +66,31 @@ async def _turn(client: httpx.AsyncClient, url: str, model: str, messages: list,
             if "error" in chunk:
                 return TurnResult(0, [], 0, 0, 0, 0, error=chunk["error"]["message"]), ""
             for c in chunk.get("choices", []):
-                if c["delta"].get("content"):
+                piece = c["delta"].get("content") if "delta" in c else c.get("text")
+                if piece:
                     stamps.append(time.monotonic())
-                    text += c["delta"]["content"]
+                    text += piece
             usage = chunk.get("usage") or usage
+            timings = chunk.get("timings") or timings  # llama-server reports its prompt-cache hits here
     ttft = (stamps[0] if stamps else time.monotonic()) - start
     itls = [b - a for a, b in zip(stamps, stamps[1:])]
-    return TurnResult(ttft, itls, usage.get("prompt_tokens", 0),
-                      usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
-                      usage.get("completion_tokens", 0), usage.get("cost", {}).get("total", 0.0)), text
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", timings.get("cache_n", 0))
+    return TurnResult(ttft, itls, usage.get("prompt_tokens", 0), cached,
+                      usage.get("completion_tokens", 0), _cost(usage, cached)), text
+
+
+def _cost(usage: dict, cached: int) -> float:
+    """The server's price if it reports one; else the default price table on its token counts,
+    so that servers without prices (peers) are priced alike."""
+    if usage.get("cost"):
+        return usage["cost"]["total"]
+    return PriceTable().cost(usage.get("prompt_tokens", 0), cached, usage.get("completion_tokens", 0))["total"]
+
+
+async def _turn(client: httpx.AsyncClient, url: str, model: str, messages: list, session: str,
+                max_tokens: int) -> tuple[TurnResult, str]:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    return await stream_request(client, url, "/v1/chat/completions", body, {"x-session-affinity": session})
 
 
 async def run_agentic(url: str, sessions: int, turns: int, concurrency: int, max_tokens: int = 24,

@@ -41,3 +41,11 @@ def write_bf16_gguf(src: str, dst: str) -> str:
     writer.close()
     os.replace(tmp, dst)
     return dst
+
+
+def cached_bf16_gguf(src: str) -> str:
+    """The BF16 GGUF of ``src``, written once into the user's cache."""
+    cache = os.path.expanduser("~/.cache/xlserve/bench")
+    os.makedirs(cache, exist_ok=True)
+    dst = os.path.join(cache, os.path.basename(src).replace(".gguf", "") + ".BF16.gguf")
+    return dst if os.path.exists(dst) else write_bf16_gguf(src, dst)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from xlserve.bench.trace_replay import DEFAULT_TRACE
+
 
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks: xlserve beside its peers in one run")
@@ -21,14 +23,23 @@ def add_bench_parser(sub) -> None:
     e.set_defaults(func=cmd_bench_engine)
     s = kinds.add_parser("serve", help="agentic multi-turn workload: one server, or setups side by side",
                          description="Runs N sessions x T turns of an agentic workload (shared system prompt with "
-                                     "tools, growing history, short answers, x-session-affinity). With --url, against "
-                                     "that server; without, it starts and compares: colocated vs prefill+decode, and "
-                                     "two workers under round_robin, cache_aware and session affinity.")
+                                     "tools, growing history, short answers, x-session-affinity) and a scaled replay "
+                                     "of a public request trace. With --url, against that server; without, it starts "
+                                     "and compares: colocated vs prefill+decode, two workers under round_robin, "
+                                     "cache_aware and session affinity, and llama.cpp's llama-server when installed.")
     s.add_argument("--url", default="", help="an OpenAI-compatible server to measure (default: compare setups)")
     s.add_argument("--sessions", type=int, default=8, help="agent sessions")
     s.add_argument("--turns", type=int, default=4, help="turns per session")
     s.add_argument("--concurrency", type=int, default=4, help="sessions running at once")
     s.add_argument("--max-tokens", type=int, default=24, help="tokens per answer")
+    s.add_argument("--trace", default=DEFAULT_TRACE, help="request trace to replay (JSONL, optionally gzipped; "
+                   "default: the Mooncake conversation trace shipped with xlserve)")
+    s.add_argument("--trace-requests", type=int, default=40,
+                   help="trace requests to replay, whole conversations sampled at random (0: no replay)")
+    s.add_argument("--trace-length-scale", type=float, default=1 / 32,
+                   help="prompt and output lengths are multiplied by this")
+    s.add_argument("--trace-seconds", type=float, default=40.0, help="the sampled arrivals are squeezed into this")
+    s.add_argument("--no-peers", action="store_true", help="skip llama-server even when installed")
     s.add_argument("--out", default="bench-serve.json", help="where to write the JSON results")
     s.add_argument("--png", default="", help="also write a chart here")
     s.set_defaults(func=cmd_bench_serve)
@@ -64,17 +75,34 @@ def cmd_bench_engine(args) -> int:
 def cmd_bench_serve(args) -> int:
     import asyncio
 
+    import httpx
+
     from xlserve.bench.agentic import run_agentic, summarize
     from xlserve.bench.serve_bench import run_compare, serve_png, serve_ratios, serve_table
+    from xlserve.bench.trace_replay import TraceReplay, build_requests, describe, load_trace, run_trace
     from xlserve.config import EngineConfig
-    workload = {"sessions": args.sessions, "turns": args.turns, "concurrency": args.concurrency,
-                "max_tokens": args.max_tokens}
+    agentic = {"sessions": args.sessions, "turns": args.turns, "concurrency": args.concurrency,
+               "max_tokens": args.max_tokens}
+    workloads = {"agentic": lambda url, bar: run_agentic(url, progress=bar, **agentic)}
+    total = args.sessions * args.turns
+    scale = None
+    if args.trace_requests:
+        replay = TraceReplay(path=args.trace, requests=args.trace_requests, length_scale=args.trace_length_scale,
+                             duration_s=args.trace_seconds)
+        trace_requests, scale = build_requests(load_trace(replay.path), replay)
+        print(describe(scale))
+        workloads["trace"] = lambda url, bar: run_trace(url, trace_requests, progress=bar)
+        total += len(trace_requests)
     if args.url:
-        rows = [{"setup": args.url, **summarize(asyncio.run(run_agentic(args.url.rstrip("/"), **workload)))}]
+        try:
+            rows = [{"setup": args.url, "workload": name, **summarize(asyncio.run(run(args.url.rstrip("/"), None)))}
+                    for name, run in workloads.items()]
+        except httpx.HTTPError as e:
+            raise ValueError(f"cannot measure {args.url}: {e}") from e
     else:
-        rows = run_compare(EngineConfig(), workload)
+        rows = run_compare(EngineConfig(), workloads, total, peers=not args.no_peers)
     with open(args.out, "w") as f:
-        json.dump({"workload": workload, "results": rows}, f, indent=2)
+        json.dump({"agentic": agentic, "trace_scale": scale, "results": rows}, f, indent=2)
     print(serve_table(rows))
     for line in serve_ratios(rows):
         print(line)

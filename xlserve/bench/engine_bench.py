@@ -100,18 +100,14 @@ def derive(result: dict) -> dict:
 
 
 def run_bench(opts: BenchOptions) -> dict:
-    from xlserve.bench.bf16_gguf import write_bf16_gguf
+    from xlserve.bench.bf16_gguf import cached_bf16_gguf
     from xlserve.loader.model_loader import load_model
     from xlserve.loader.model_source import resolve_model
     from xlserve.config import ModelConfig
     source = resolve_model(opts.model)
     if source.kind != "gguf":
         raise ValueError("bench engine compares against llama.cpp and needs a GGUF model")
-    cache = os.path.join(os.path.expanduser("~/.cache/xlserve/bench"))
-    os.makedirs(cache, exist_ok=True)
-    bf16 = os.path.join(cache, os.path.basename(source.path).replace(".gguf", "") + ".BF16.gguf")
-    if not os.path.exists(bf16):
-        write_bf16_gguf(source.path, bf16)
+    bf16 = cached_bf16_gguf(source.path)
     tokenizer = load_model(ModelConfig(model=opts.model, dtype="float32")).tokenizer
     workload = build_workload(tokenizer)
     results = {"options": vars(opts) | {"systems": list(opts.systems)}, "bf16_gguf": bf16,

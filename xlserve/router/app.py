@@ -57,7 +57,7 @@ class RouterFront:
 
 def build_router_app(opts: RouterOptions, config: ServerConfig):
     pool = WorkerPool(list(opts.prefill), list(opts.decode), list(opts.both), opts.worker_api_key)
-    info = asyncio.run(pool.info())
+    info = pool.info()
     tokenizer = load_tokenizer(opts.model)
     metrics = RouterMetrics(pool, info["model"], opts.policy)
     index = PrefixIndex()

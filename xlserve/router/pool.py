@@ -82,12 +82,13 @@ class WorkerPool:
                 await asyncio.gather(*(self.poll_events(w, index) for w in self.workers))
             await asyncio.sleep(interval)
 
-    async def info(self) -> dict:
-        """Facts the router needs from a worker (model, block size, context)."""
+    def info(self) -> dict:
+        """Facts the router needs from a worker (model, block size, context). Synchronous:
+        it runs before the server's event loop, which ``self.http`` belongs to."""
         last = None
         for w in self.workers:
             try:
-                return (await self.http.get(f"{w.url}/internal/info", timeout=5)).json()
+                return httpx.get(f"{w.url}/internal/info", headers=self.http.headers, timeout=5).json()
             except httpx.HTTPError as e:
                 last = e
         raise RuntimeError(f"no worker answered /internal/info: {last}")
