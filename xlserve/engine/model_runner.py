@@ -51,6 +51,12 @@ class ModelRunner:
         table = torch.tensor(block_ids, dtype=torch.long)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """A boolean mask as 0 / -inf in the activation dtype: SDPA's CPU flash kernel takes
+        an additive mask directly, while a boolean one costs it a conversion per layer."""
+        dtype = self.kv_caches[0][0].dtype
+        return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf")).to(self.device)
+
     def _build_metadata(self, scheduled: list[ScheduledRequest]) -> AttentionMetadata:
         slot_parts, decode_rows, decode_ctx, prefills = [], [], [], []
         row = 0
@@ -67,7 +73,7 @@ class ModelRunner:
                 q_pos = torch.arange(start, ctx).unsqueeze(1)
                 mask = torch.arange(ctx).unsqueeze(0) <= q_pos
                 prefills.append(PrefillChunk(row, row + n, self._slots(s.block_ids, 0, ctx).to(self.device),
-                                             mask.to(self.device)))
+                                             self._additive(mask)))
             row += n
         meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts).to(self.device), prefills=prefills)
         if decode_rows:
@@ -82,7 +88,7 @@ class ModelRunner:
             meta.fused_decode = (not prefills and len(decode_rows) <= cpu_ops.MAX_ROWS and self.fused_shapes
                                  and self.device.type == "cpu" and cpu_ops.kernels() is not None
                                  and self.kv_caches[0][0].dtype in (torch.bfloat16, torch.float32))
-            meta.decode_slots, meta.decode_mask = slots.to(self.device), mask.to(self.device)
+            meta.decode_slots, meta.decode_mask = slots.to(self.device), self._additive(mask)
         return meta
 
     @torch.inference_mode()

@@ -23,7 +23,7 @@ class PrefillChunk:
     start: int  # first row of the chunk in the flat batch
     end: int
     context_slots: torch.Tensor | None  # [C] slots of the whole context; None: no cached prefix
-    mask: torch.Tensor | None  # [n, C] bool, None when the chunk is the whole context (causal)
+    mask: torch.Tensor | None  # [n, C] additive (0 / -inf), None when the chunk is the whole context (causal)
 
 
 @dataclass
@@ -31,7 +31,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     decode_rows: torch.Tensor | None = None  # [B] rows of one-token sequences
     decode_slots: torch.Tensor | None = None  # [B, L] context slots, padded
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] True where a slot is real
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] additive: 0 where a slot is real, else -inf
     decode_lens: torch.Tensor | None = None  # [B] context length of each decode row
     fused_decode: bool = False  # decode-only CPU step on the fused kernels (rows = batch, in order)
     prefills: list[PrefillChunk] = field(default_factory=list)
