@@ -62,19 +62,21 @@ def test_rmsnorm_rope_silu_match_eager(dtype):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_attention_matches_sdpa(dtype):
+@pytest.mark.parametrize("hq,hk,d,lens", [(6, 2, 32, [5, 17, 1]), (9, 3, 64, [40, 1, 16, 33]),
+                                          (8, 2, 128, [70, 3]), (5, 5, 80, [31])])
+def test_decode_attention_matches_sdpa(dtype, hq, hk, d, lens):
     g = torch.Generator().manual_seed(1)
-    hq, hk, d, slots_total = 6, 2, 32, 64
-    kc = torch.randn(slots_total, hk, d, generator=g).to(dtype)
+    slots_total, rows = 128, len(lens)
+    kc = (3 * torch.randn(slots_total, hk, d, generator=g)).to(dtype)  # wide scores: a peaked softmax
     vc = torch.randn(slots_total, hk, d, generator=g).to(dtype)
-    lens = torch.tensor([5, 17, 1])
-    slots = torch.zeros(3, 17, dtype=torch.long)
+    lens = torch.tensor(lens)
+    slots = torch.zeros(rows, int(lens.max()), dtype=torch.long)
     for b, n in enumerate(lens.tolist()):
         slots[b, :n] = torch.randperm(slots_total, generator=g)[:n]
-    qkv = torch.randn(3, (hq + 2 * hk) * d, generator=g).to(dtype)
-    q = qkv[:, :hq * d].view(3, hq, d)
-    k_new = qkv[:, hq * d:(hq + hk) * d].view(3, hk, d)
-    v_new = qkv[:, (hq + hk) * d:].view(3, hk, d)
+    qkv = torch.randn(rows, (hq + 2 * hk) * d, generator=g).to(dtype)
+    q = qkv[:, :hq * d].view(rows, hq, d)
+    k_new = qkv[:, hq * d:(hq + hk) * d].view(rows, hk, d)
+    v_new = qkv[:, (hq + hk) * d:].view(rows, hk, d)
     new_slots = torch.tensor([slots[b, n - 1].item() for b, n in enumerate(lens.tolist())])
     got = cpu_ops.decode_attention(q, k_new, v_new, new_slots, kc, vc, slots, lens, d ** -0.5)
     assert torch.equal(kc[new_slots], k_new) and torch.equal(vc[new_slots], v_new)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(n) for n in ("gemv_bf16.c", "decode_ops.c", "decode_layer.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("gemv_bf16.c", "decode_ops.c", "decode_attention.c", "decode_layer.c")]
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 LINEAR_MAX_ROWS = 4  # beyond this, oneDNN's GEMM (AMX where present) beats a pass per row block
 MAX_ROWS = 64  # decode batches up to this size take the fused path (norm, rope, attention)
@@ -115,8 +115,9 @@ def kernels() -> ctypes.CDLL | None:
 
 
 def supports_shape(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """The kernels' fixed scratch: head_dim <= 1024 and at most 64 query heads per KV head."""
-    return head_dim <= MAX_HEAD_DIM and num_heads // num_kv_heads <= 64
+    """The kernels' fixed scratch and vector width: head_dim <= 1024 and a multiple of 16,
+    at most 64 query heads per KV head."""
+    return head_dim <= MAX_HEAD_DIM and head_dim % 16 == 0 and num_heads // num_kv_heads <= 64
 
 
 def usable(*tensors: torch.Tensor) -> bool:

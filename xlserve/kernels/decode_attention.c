@@ -1,0 +1,166 @@
+/* Decode attention: one query token per sequence against its paged KV context.
+ *
+ * One task per (sequence, kv head) reads each cached K/V row once for all the query
+ * heads that share it (grouped-query attention). Keys go sixteen at a time: sixteen dot
+ * products are reduced together by a shuffle tree (a quarter of the shuffles of sixteen
+ * separate horizontal sums), the softmax exponentials are taken sixteen lanes at a time,
+ * and the weighted sum of V rows stays in registers for a 64-wide slice of the head.
+ * Softmax and accumulation in fp32; the output rounded once to the activation dtype.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#define KEYS 16
+#define SLICE 64 /* head dims per pass of the weighted V sum: 4 zmm per query head */
+#define MAX_GROUP 64
+
+static inline __m512 load16(const void* p, int64_t i, int bf16) {
+  if (bf16) {
+    __m256i raw = _mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+  return _mm512_loadu_ps((const float*)p + i);
+}
+
+/* exp(x) for 16 lanes: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6 polynomial
+ * (relative error below 1e-6, as good as an fp32 softmax needs); inputs below -88 give ~0. */
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+/* out[j] = sum of the lanes of v[j], for sixteen vectors. The tree leaves lane 4k+m holding
+ * v[4m+k]; the last permute puts each sum in its place. */
+static inline __m512 reduce16(const __m512 v[KEYS]) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+  const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
+  const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
+  const __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b))),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b))));
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, s);
+}
+
+/* scores[j] = scale * q . K[slot j] for the n keys of one kv head (D % 16 == 0). */
+static void scores_of(const float* q, const void* kc, const int64_t* slots, int64_t n, int64_t Hk, int64_t kh,
+                      int64_t D, float scale, int bf16, float* scores) {
+  for (int64_t j0 = 0; j0 < n; j0 += KEYS) {
+    const int64_t m = n - j0 < KEYS ? n - j0 : KEYS;
+    __m512 acc[KEYS];
+    for (int j = 0; j < KEYS; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 qv = _mm512_loadu_ps(q + d);
+      for (int j = 0; j < m; ++j)
+        acc[j] = _mm512_fmadd_ps(qv, load16(kc, (slots[j0 + j] * Hk + kh) * D + d, bf16), acc[j]);
+    }
+    const __m512 s = _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(scores + j0, (__mmask16)((1u << m) - 1u), s);
+  }
+}
+
+/* p = exp(s - max), in place; returns the sum. */
+static float softmax_numerators(float* s, int64_t n) {
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 k = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1u);
+    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, s + j));
+  }
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 k = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1u);
+    const __m512 p = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), m)));
+    _mm512_mask_storeu_ps(s + j, k, p);
+    sum = _mm512_add_ps(sum, p);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+/* out[g] = sum_j p[g][j] V[slot j] / denom[g] over the slice [d0, d0 + 16 cw) of the head. */
+static void weighted_values(const float* p, const float* denom, int64_t group, int64_t n, const void* vc,
+                            const int64_t* slots, int64_t Hk, int64_t kh, int64_t D, int64_t d0, int cw, int bf16,
+                            float* out) {
+  for (int64_t g0 = 0; g0 < group; g0 += 4) {
+    const int64_t gs = group - g0 < 4 ? group - g0 : 4;
+    __m512 acc[4][SLICE / 16];
+    for (int g = 0; g < 4; ++g)
+      for (int c = 0; c < SLICE / 16; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t base = (slots[j] * Hk + kh) * D + d0;
+      __m512 v[SLICE / 16];
+      for (int c = 0; c < cw; ++c) v[c] = load16(vc, base + 16 * c, bf16);
+      for (int g = 0; g < gs; ++g) {
+        const __m512 pg = _mm512_set1_ps(p[(g0 + g) * n + j]);
+        for (int c = 0; c < cw; ++c) acc[g][c] = _mm512_fmadd_ps(pg, v[c], acc[g][c]);
+      }
+    }
+    for (int g = 0; g < gs; ++g) {
+      const __m512 inv = _mm512_set1_ps(1.0f / denom[g0 + g]);
+      for (int c = 0; c < cw; ++c) _mm512_storeu_ps(out + (g0 + g) * D + d0 + 16 * c, _mm512_mul_ps(acc[g][c], inv));
+    }
+  }
+}
+
+/* q, k_new, v_new: B rows `row` elements apart (views into the fused projection), heads
+ * contiguous; caches: [slots, Hk, D]; slots: [B, L] (row b uses its first lens[b]);
+ * out: [B, Hq, D]. First writes each sequence's new K/V into new_slots[b].
+ * The caller guarantees D % 16 == 0 and Hq / Hk <= 64. */
+void xl_decode_attention(const void* q, const void* k_new, const void* v_new, int64_t row,
+                         const int64_t* new_slots, void* kc, void* vc, const int64_t* slots,
+                         const int64_t* lens, void* out, int64_t B, int64_t Hq, int64_t Hk, int64_t D,
+                         int64_t L, float scale, int bf16, int threads) {
+  const int64_t group = Hq / Hk, esize = bf16 ? 2 : 4;
+  for (int64_t b = 0; b < B; ++b) {
+    memcpy((char*)kc + new_slots[b] * Hk * D * esize, (const char*)k_new + b * row * esize, Hk * D * esize);
+    memcpy((char*)vc + new_slots[b] * Hk * D * esize, (const char*)v_new + b * row * esize, Hk * D * esize);
+  }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t bk = 0; bk < B * Hk; ++bk) {
+    const int64_t b = bk / Hk, kh = bk % Hk, n = lens[b];
+    const int64_t* seq_slots = slots + b * L;
+    float* qf = (float*)malloc(sizeof(float) * group * D * 2 + sizeof(float) * group * ((n + 15) & ~15));
+    float* acc = qf + group * D;
+    float* p = acc + group * D;
+    float denom[MAX_GROUP];
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t h = kh * group + g;
+      for (int64_t i = 0; i < D; ++i)
+        qf[g * D + i] = bf16 ? bf16_to_f32(((const uint16_t*)q)[b * row + h * D + i]) : ((const float*)q)[b * row + h * D + i];
+      scores_of(qf + g * D, kc, seq_slots, n, Hk, kh, D, scale, bf16, p + g * n);
+      denom[g] = softmax_numerators(p + g * n, n);
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += SLICE) {
+      const int cw = (int)((D - d0 < SLICE ? D - d0 : SLICE) / 16);
+      weighted_values(p, denom, group, n, vc, seq_slots, Hk, kh, D, d0, cw, bf16, acc);
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t o = (b * Hq + kh * group + g) * D;
+      for (int64_t i = 0; i < D; ++i) {
+        if (bf16) ((uint16_t*)out)[o + i] = f32_to_bf16(acc[g * D + i]);
+        else ((float*)out)[o + i] = acc[g * D + i];
+      }
+    }
+    free(qf);
+  }
+}
