@@ -62,17 +62,20 @@ static inline __m512 reduce16(const __m512 v[KEYS]) {
   return _mm512_permutexvar_ps(order, s);
 }
 
-/* scores[j] = scale * q . K[slot j] for the n keys of one kv head (D % 16 == 0). */
+/* scores[j] = scale * q . K[slot j] for the n keys of one kv head (D % 16 == 0). Loops
+ * have constant bounds so the sixteen accumulators live in registers; a short last block
+ * repeats its last key and drops the extra lanes. */
 static void scores_of(const float* q, const void* kc, const int64_t* slots, int64_t n, int64_t Hk, int64_t kh,
                       int64_t D, float scale, int bf16, float* scores) {
   for (int64_t j0 = 0; j0 < n; j0 += KEYS) {
     const int64_t m = n - j0 < KEYS ? n - j0 : KEYS;
+    int64_t base[KEYS];
+    for (int j = 0; j < KEYS; ++j) base[j] = (slots[j0 + (j < m ? j : m - 1)] * Hk + kh) * D;
     __m512 acc[KEYS];
     for (int j = 0; j < KEYS; ++j) acc[j] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 16) {
       const __m512 qv = _mm512_loadu_ps(q + d);
-      for (int j = 0; j < m; ++j)
-        acc[j] = _mm512_fmadd_ps(qv, load16(kc, (slots[j0 + j] * Hk + kh) * D + d, bf16), acc[j]);
+      for (int j = 0; j < KEYS; ++j) acc[j] = _mm512_fmadd_ps(qv, load16(kc, base[j] + d, bf16), acc[j]);
     }
     const __m512 s = _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale));
     _mm512_mask_storeu_ps(scores + j0, (__mmask16)((1u << m) - 1u), s);
@@ -97,27 +100,53 @@ static float softmax_numerators(float* s, int64_t n) {
   return _mm512_reduce_add_ps(sum);
 }
 
-/* out[g] = sum_j p[g][j] V[slot j] / denom[g] over the slice [d0, d0 + 16 cw) of the head. */
-static void weighted_values(const float* p, const float* denom, int64_t group, int64_t n, const void* vc,
-                            const int64_t* slots, int64_t Hk, int64_t kh, int64_t D, int64_t d0, int cw, int bf16,
-                            float* out) {
-  for (int64_t g0 = 0; g0 < group; g0 += 4) {
-    const int64_t gs = group - g0 < 4 ? group - g0 : 4;
-    __m512 acc[4][SLICE / 16];
-    for (int g = 0; g < 4; ++g)
-      for (int c = 0; c < SLICE / 16; ++c) acc[g][c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t base = (slots[j] * Hk + kh) * D + d0;
-      __m512 v[SLICE / 16];
-      for (int c = 0; c < cw; ++c) v[c] = load16(vc, base + 16 * c, bf16);
-      for (int g = 0; g < gs; ++g) {
-        const __m512 pg = _mm512_set1_ps(p[(g0 + g) * n + j]);
-        for (int c = 0; c < cw; ++c) acc[g][c] = _mm512_fmadd_ps(pg, v[c], acc[g][c]);
-      }
+/* acc[g] = sum_j p[g][j] V[slot j][d0 : d0 + 16 CW) for GS query heads. Inlined with
+ * constant GS and CW, so the GS x CW accumulators stay in registers. */
+static inline __attribute__((always_inline)) void weighted_slice(
+    const float* p, int64_t n, const void* vc, const int64_t* slots, int64_t Hk, int64_t kh, int64_t D,
+    int64_t d0, int bf16, const int GS, const int CW, __m512 acc[4][SLICE / 16]) {
+  for (int g = 0; g < GS; ++g)
+    for (int c = 0; c < CW; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t base = (slots[j] * Hk + kh) * D + d0;
+    __m512 v[SLICE / 16];
+    for (int c = 0; c < CW; ++c) v[c] = load16(vc, base + 16 * c, bf16);
+    for (int g = 0; g < GS; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * n + j]);
+      for (int c = 0; c < CW; ++c) acc[g][c] = _mm512_fmadd_ps(pg, v[c], acc[g][c]);
     }
-    for (int g = 0; g < gs; ++g) {
-      const __m512 inv = _mm512_set1_ps(1.0f / denom[g0 + g]);
-      for (int c = 0; c < cw; ++c) _mm512_storeu_ps(out + (g0 + g) * D + d0 + 16 * c, _mm512_mul_ps(acc[g][c], inv));
+  }
+}
+
+#define WEIGHTED_CASE(GS, CW) weighted_slice(p + g0 * n, n, vc, slots, Hk, kh, D, d0, bf16, GS, CW, acc)
+
+/* out[g] = sum_j p[g][j] V[slot j] / denom[g], slice by slice of the head, four query heads
+ * at a time. */
+static void weighted_values(const float* p, const float* denom, int64_t group, int64_t n, const void* vc,
+                            const int64_t* slots, int64_t Hk, int64_t kh, int64_t D, int bf16, float* out) {
+  for (int64_t d0 = 0; d0 < D; d0 += SLICE) {
+    const int cw = (int)((D - d0 < SLICE ? D - d0 : SLICE) / 16);
+    for (int64_t g0 = 0; g0 < group; g0 += 4) {
+      const int gs = (int)(group - g0 < 4 ? group - g0 : 4);
+      __m512 acc[4][SLICE / 16];
+      if (cw == 4) {
+        switch (gs) {
+          case 1: WEIGHTED_CASE(1, 4); break;
+          case 2: WEIGHTED_CASE(2, 4); break;
+          case 3: WEIGHTED_CASE(3, 4); break;
+          default: WEIGHTED_CASE(4, 4); break;
+        }
+      } else {
+        switch (cw) {
+          case 1: WEIGHTED_CASE(gs, 1); break;
+          case 2: WEIGHTED_CASE(gs, 2); break;
+          default: WEIGHTED_CASE(gs, 3); break;
+        }
+      }
+      for (int g = 0; g < gs; ++g) {
+        const __m512 inv = _mm512_set1_ps(1.0f / denom[g0 + g]);
+        for (int c = 0; c < cw; ++c) _mm512_storeu_ps(out + (g0 + g) * D + d0 + 16 * c, _mm512_mul_ps(acc[g][c], inv));
+      }
     }
   }
 }
@@ -150,10 +179,7 @@ void xl_decode_attention(const void* q, const void* k_new, const void* v_new, in
       scores_of(qf + g * D, kc, seq_slots, n, Hk, kh, D, scale, bf16, p + g * n);
       denom[g] = softmax_numerators(p + g * n, n);
     }
-    for (int64_t d0 = 0; d0 < D; d0 += SLICE) {
-      const int cw = (int)((D - d0 < SLICE ? D - d0 : SLICE) / 16);
-      weighted_values(p, denom, group, n, vc, seq_slots, Hk, kh, D, d0, cw, bf16, acc);
-    }
+    weighted_values(p, denom, group, n, vc, seq_slots, Hk, kh, D, bf16, acc);
     for (int64_t g = 0; g < group; ++g) {
       const int64_t o = (b * Hq + kh * group + g) * D;
       for (int64_t i = 0; i < D; ++i) {
