@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 from dataclasses import dataclass
 
@@ -65,17 +67,41 @@ def load_model(config: ModelConfig) -> LoadedModel:
     arch = ModelArch.from_hf_config(hf_config)
     model_class(arch.architecture)  # refuse unsupported architectures before reading weights
     with torch.device("meta"):
-        model = build_model(arch)
-    model = model.to_empty(device=device).to(dtype)
+        model = build_model(arch).to(dtype)  # free on meta; the storage is allocated once, in dtype
+    materialize(model, device)
     if arch.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     bar = tqdm(reader.weights(dtype), total=reader.num_tensors, desc=f"Loading {source.name}",
                unit="tensor", leave=False, disable=None)  # None: only on a terminal
     model.load_weights(bar)
     model.eval()
+    return_freed_memory()
     log.info("loaded %s (%s, %s, %s) on %s", source.name, arch.architecture, source.kind,
              str(dtype).removeprefix("torch."), device)
     return LoadedModel(source, arch, model, tokenizer, dtype, device)
+
+
+def materialize(model: torch.nn.Module, device: torch.device) -> None:
+    """Give every meta parameter and buffer uninitialized storage on ``device`` (the loader
+    fills it). ``Module.to_empty`` does the same but imports torch's symbolic-shape
+    machinery (sympy: ~25 MiB and a fraction of a second of cold start)."""
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.is_meta:
+                module._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                              requires_grad=p.requires_grad)
+        for name, b in list(module._buffers.items()):
+            if b is not None and b.is_meta:
+                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
+
+
+def return_freed_memory() -> None:
+    """Hand the heap pages that loading freed (dequantization scratch) back to the OS:
+    glibc keeps them otherwise, and they would count in the process's RSS for its life."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def load_tokenizer(model: str) -> Tokenizer | None:
