@@ -17,7 +17,7 @@ def _xl_logits(llm, ids):
     from xlserve.layers.attention import AttentionMetadata, PrefillChunk
     runner = llm.engine.runner
     n = len(ids)
-    meta = AttentionMetadata(slot_mapping=torch.arange(n), prefills=[PrefillChunk(0, n, None, None)])
+    meta = AttentionMetadata(slot_mapping=torch.arange(n), prefills=[PrefillChunk(0, n)])
     with torch.inference_mode():
         hidden = runner.model(torch.tensor(ids), torch.arange(n), meta)
         return runner.model.compute_logits(hidden)

@@ -52,8 +52,9 @@ class ModelRunner:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
-        """A boolean mask as 0 / -inf in the activation dtype: SDPA's CPU flash kernel takes
-        an additive mask directly, while a boolean one costs it a conversion per layer."""
+        """A boolean mask as 0 / -inf in the activation dtype, built once per step: SDPA's CPU
+        flash kernel takes an additive mask directly, a boolean one costs it a conversion per
+        layer."""
         dtype = self.kv_caches[0][0].dtype
         return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf")).to(self.device)
 
@@ -67,13 +68,9 @@ class ModelRunner:
                 decode_rows.append(row)
                 decode_ctx.append(self._slots(s.block_ids, 0, start + 1))
             elif start == 0:
-                prefills.append(PrefillChunk(row, row + n, None, None))
+                prefills.append(PrefillChunk(row, row + n))
             else:
-                ctx = start + n
-                q_pos = torch.arange(start, ctx).unsqueeze(1)
-                mask = torch.arange(ctx).unsqueeze(0) <= q_pos
-                prefills.append(PrefillChunk(row, row + n, self._slots(s.block_ids, 0, ctx).to(self.device),
-                                             self._additive(mask)))
+                prefills.append(PrefillChunk(row, row + n, self._slots(s.block_ids, 0, start + n).to(self.device)))
             row += n
         meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts).to(self.device), prefills=prefills)
         if decode_rows:

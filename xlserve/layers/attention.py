@@ -20,18 +20,22 @@ from xlserve.kernels import cpu_ops
 
 @dataclass
 class PrefillChunk:
+    """``end - start`` query rows of one sequence, at the end of its context."""
     start: int  # first row of the chunk in the flat batch
     end: int
-    context_slots: torch.Tensor | None  # [C] slots of the whole context; None: no cached prefix
-    mask: torch.Tensor | None  # [n, C] additive (0 / -inf), None when the chunk is the whole context (causal)
-    _group_masks: dict = field(default_factory=dict, repr=False)
+    context_slots: torch.Tensor | None = None  # [C] slots of the whole context; None: no cached prefix
+    _masks: dict = field(default_factory=dict, repr=False)
 
-    def group_mask(self, group: int) -> torch.Tensor:
-        """``mask`` repeated for ``group`` query heads stacked along the query axis; built
-        once per step, shared by every layer."""
-        if group not in self._group_masks:
-            self._group_masks[group] = self.mask.repeat(group, 1)
-        return self._group_masks[group]
+    def group_mask(self, group: int, dtype: torch.dtype) -> torch.Tensor:
+        """Additive causal mask [group * n, C] for ``group`` query heads stacked along the
+        query axis; built once per step, shared by every layer."""
+        if group not in self._masks:
+            n, ctx = self.end - self.start, len(self.context_slots)
+            allowed = torch.arange(ctx, device=self.context_slots.device) <= \
+                torch.arange(ctx - n, ctx, device=self.context_slots.device).unsqueeze(1)
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+            self._masks[group] = mask.repeat(group, 1)
+        return self._masks[group]
 
 
 @dataclass
@@ -85,6 +89,9 @@ class TorchSDPABackend(AttentionBackend):
         return out
 
 
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
 def _attend_context(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     chunk: PrefillChunk) -> torch.Tensor:
     """A chunk [n, Hq, D] after a cached prefix. The query heads that share a KV head are
@@ -96,8 +103,31 @@ def _attend_context(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     qg = q.view(n, hk, group, d).permute(1, 2, 0, 3).reshape(1, hk, group * n, d)
     kp = k_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)
     vp = v_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)
-    og = F.scaled_dot_product_attention(qg, kp, vp, attn_mask=chunk.group_mask(group))
+    if q.device.type == "cpu" and _CPU_FLASH is not None:
+        og = _split_attention(qg, kp, vp, n, group)
+    else:
+        og = F.scaled_dot_product_attention(qg, kp, vp, attn_mask=chunk.group_mask(group, q.dtype))
     return og.view(hk, group, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
+
+
+def _split_attention(qg: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, n: int, group: int) -> torch.Tensor:
+    """Attention over [cached prefix | the chunk itself] as two flash calls merged by their
+    log-sum-exps: the prefix needs no mask at all and the chunk is plainly causal, so no
+    [n, C] mask is built or read, and the causal half skips its upper triangle."""
+    start = kp.shape[2] - n
+    o_prefix, lse_prefix = _CPU_FLASH(qg, kp[:, :, :start], vp[:, :, :start])
+    _, hk, _, d = qg.shape
+    q_heads = qg.view(hk, group, n, d).reshape(1, hk * group, n, d)
+    k_self = kp[:, :, start:].repeat_interleave(group, 1)
+    v_self = vp[:, :, start:].repeat_interleave(group, 1)
+    o_self, lse_self = _CPU_FLASH(q_heads, k_self, v_self, is_causal=True)
+    lse_self = lse_self.reshape(1, hk, group * n)
+    top = torch.maximum(lse_prefix, lse_self)
+    w_prefix, w_self = (lse_prefix - top).exp_(), (lse_self - top).exp_()
+    total = w_prefix + w_self
+    merged = o_prefix.float() * (w_prefix / total).unsqueeze(-1) + \
+        o_self.reshape(1, hk, group * n, d).float() * (w_self / total).unsqueeze(-1)
+    return merged.to(qg.dtype)
 
 
 ATTENTION_BACKENDS = {"torch_sdpa": TorchSDPABackend}
