@@ -228,6 +228,29 @@ def test_killing_the_decode_worker_mid_stream(cluster):
     assert metric(cluster["p"], "xlserve_kv_blocks_used") == 0  # the killed stream's pin was released
 
 
+def test_affinity_session_moves_when_its_worker_is_killed(cluster):
+    """Turns of a session stay on their worker; once that worker dies, the next turn is
+    answered by the other one (a failure before the first token is retried there)."""
+    from tests.e2e.server_process import PROCESSES
+    common = ("--dtype", "float32", "--log-level", "warning")
+    with running_server(*common) as w1, running_server(*common) as w2, \
+            running_server("--both", w1, w2, "--log-level", "warning", command="router") as router:
+        client = _client(router)
+
+        def turn(i):
+            raw = client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=[{"role": "user", "content": f"Step {i} of the plan?"}], max_tokens=4,
+                temperature=0, extra_headers={"x-session-affinity": "agent-42"})
+            assert raw.parse().choices[0].finish_reason in ("stop", "length")
+            return raw.headers["x-xlserve-served-by"].split("=", 1)[1]
+        homes = {turn(i) for i in range(3)}
+        assert len(homes) == 1
+        home = homes.pop()
+        PROCESSES[home].kill()
+        PROCESSES[home].wait()
+        assert {turn(i) for i in range(3, 5)} == {w2 if home == w1 else w1}
+
+
 def test_agentic_workload_through_the_router(cluster):
     import asyncio
 

@@ -22,6 +22,7 @@ class RouteRequest:
     session: str | None  # x-session-affinity
     # worker url -> prompt tokens the index believed cached there when it was picked
     predicted_cached: dict[str, int] = field(default_factory=dict, compare=False)
+    served_by: list[str] = field(default_factory=list, compare=False)  # "stage=url", for the response header
 
 
 class RoutingPolicy(ABC):

@@ -110,14 +110,15 @@ class RemoteEngine:
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context is {self.max_model_len}")
         # Route now, before any byte of the answer, so the response headers can name the workers.
+        served = SERVED_BY.get()
         route = RouteRequest(block_hashes(list(prompt_ids), self.block_size, self.extra_key), len(prompt_ids),
-                             SESSION.get())
+                             SESSION.get(), served_by=served if served is not None else [])
         prefill = self._pick("prefill", route, set())
         single = prefill.role == "both"
         decode = prefill if single else self._pick("decode", route, set())
-        self._served(prefill, "prefill" if not single else "worker")
+        route.served_by.append(f"{'worker' if single else 'prefill'}={prefill.url}")
         if not single:
-            self._served(decode, "decode")
+            route.served_by.append(f"decode={decode.url}")
         return RemoteStream(self._run(request_id, list(prompt_ids), params, route, prefill, decode))
 
     def _pick(self, stage: str, route: RouteRequest, exclude: set[str]) -> Worker:
@@ -148,8 +149,11 @@ class RemoteEngine:
         """Stream from ``first``, a worker of ``stage``; one that fails before its first output is
         marked down and the request moves to another (a failure after that reaches the client)."""
         tried: set[str] = set()
+        worker = first
         while True:
-            worker = first if not tried else self._pick(stage, route, tried)
+            if tried:
+                failed, worker = worker, self._pick(stage, route, tried)
+                self._moved(route, failed, worker)
             started = False
             try:
                 async for out in stream_on(worker):
@@ -172,7 +176,8 @@ class RemoteEngine:
         tried: set[str] = set()
         while True:  # retry the prefill on another worker if one fails before the first token
             if tried:
-                prefill = self._pick("prefill", route, tried)
+                failed, prefill = prefill, self._pick("prefill", route, tried)
+                self._moved(route, failed, prefill)
             try:
                 first = await self._prefill(prefill, prompt_ids, params, request_id)
                 break
@@ -221,10 +226,11 @@ class RemoteEngine:
             except httpx.HTTPError as e:  # the pin expires on its own
                 log.warning("releasing KV pin on %s failed: %s", worker.url, e)
 
-    def _served(self, worker: Worker, stage: str) -> None:
-        served = SERVED_BY.get()
-        if served is not None:
-            served.append(f"{stage}={worker.url}")
+    @staticmethod
+    def _moved(route: RouteRequest, failed: Worker, worker: Worker) -> None:
+        """A retry moved a stage: the header of a response not yet sent names the new worker."""
+        route.served_by[:] = [s.replace(f"={failed.url}", f"={worker.url}") if s.endswith(f"={failed.url}") else s
+                              for s in route.served_by]
 
     async def _stream(self, worker, ids, params, handle, acc, request_id, resume=(), on_first=None, route=None):
         body = {"request_id": f"{request_id}-d", "prompt_token_ids": ids, "sampling": sampling_json(params),
