@@ -28,3 +28,17 @@ def test_help_and_bad_flags():
     assert bad.returncode == 2 and "block_size must be a power of two" in bad.stderr
     missing = _xlserve("generate", "--prompt", "x", "--model", "/no/such/model")
     assert missing.returncode == 2 and "not found" in missing.stderr
+
+
+def test_bench_engine_runs_xlserve_and_reports_every_row(tmp_path):
+    out = tmp_path / "bench.json"
+    run = _xlserve("bench", "engine", "--systems", "xlserve", "--repeats", "1", "--out", str(out))
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())["systems"]["xlserve"]
+    for key in ("decode_b1_tok_s", "prefill_1000_tok_s", "prefill_4000_tok_s", "decode_b8_tok_s",
+                "decode_b32_tok_s", "ttft_uncached_s", "ttft_cached_s", "peak_rss_mib", "cold_start_s"):
+        assert result[key] > 0, key
+    assert result["ttft_cached_s"] < result["ttft_uncached_s"]  # 3,900 of 4,000 tokens come from the cache
+    assert "aggregate decode tok/s, 32 seqs" in run.stdout
+    bad = _xlserve("bench", "engine", "--repeats", "0")
+    assert bad.returncode == 2 and "repeats must be at least 1" in bad.stderr

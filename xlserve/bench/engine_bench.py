@@ -43,9 +43,16 @@ class BenchOptions:
     png: str = ""
     kv_tokens: int = 16384
     budget: int = 2048
+    repeats: int = 3  # latency figures are the median of this many runs, each on fresh prompts
+
+    def __post_init__(self):
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be at least 1; got {self.repeats}")
 
 
-def build_workload(tokenizer, seed: int = 0) -> dict:
+def build_workload(tokenizer, repeats: int = 1, seed: int = 0) -> dict:
+    """The same token ids for every system. Prompts measured more than once are fresh each
+    time (a repeat must not hit the prefix cache of the one before)."""
     rng = random.Random(seed)
 
     def rand_ids(n):
@@ -53,11 +60,12 @@ def build_workload(tokenizer, seed: int = 0) -> dict:
     system = "You are a meticulous assistant for a software team. " * 12
     chat = tokenizer.encode_chat([{"role": "system", "content": system},
                                   {"role": "user", "content": "Summarise the plan for the release in five bullet points."}])
-    first = rand_ids(4000)
+    firsts = [rand_ids(4000) for _ in range(repeats)]
     return {"chat": chat, "decode_tokens": 128, "batch_tokens": 64,
-            "prefill": {"1000": rand_ids(1000), "4000": rand_ids(4000)},
+            "prefill": {n: [rand_ids(int(n)) for _ in range(repeats)] for n in ("1000", "4000")},
             "batches": {str(n): [rand_ids(128) for _ in range(n)] for n in (8, 32)},
-            "cache_first": first, "cache_second": first[:3900] + rand_ids(100), "cache_other": rand_ids(4000)}
+            "cache_pairs": [(first, first[:3900] + rand_ids(100)) for first in firsts],
+            "cache_other": [rand_ids(4000) for _ in range(repeats)]}
 
 
 def file_read_seconds(path: str) -> float:
@@ -109,7 +117,7 @@ def run_bench(opts: BenchOptions) -> dict:
         raise ValueError("bench engine compares against llama.cpp and needs a GGUF model")
     bf16 = cached_bf16_gguf(source.path)
     tokenizer = load_model(ModelConfig(model=opts.model, dtype="float32")).tokenizer
-    workload = build_workload(tokenizer)
+    workload = build_workload(tokenizer, opts.repeats)
     results = {"options": vars(opts) | {"systems": list(opts.systems)}, "bf16_gguf": bf16,
                "weight_file_read_s": file_read_seconds(bf16), "skipped": {}, "systems": {}}
     bar = tqdm(opts.systems, desc="bench engine", unit="system")

@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 import time
+from statistics import median
 
 
 def rss_bytes(field: str = "VmHWM") -> int:
@@ -49,14 +50,15 @@ def measure(spec: dict, spawn_time: float) -> dict:
     system.prefill(w["chat"][:32])
     cold_start = time.time() - spawn_time
     system.decode(w["chat"], 8)  # warm-up
-    out = {"system": system.name, "cold_start_s": cold_start,
-           "decode_b1_tok_s": system.decode(w["chat"], w["decode_tokens"])}
-    for n, ids in w["prefill"].items():
-        out[f"prefill_{n}_tok_s"] = len(ids) / system.prefill(ids)
+    repeats = len(w["cache_other"])
+    out = {"system": system.name, "cold_start_s": cold_start, "repeats": repeats,
+           "decode_b1_tok_s": median(system.decode(w["chat"], w["decode_tokens"]) for _ in range(repeats))}
+    for n, prompts in w["prefill"].items():
+        out[f"prefill_{n}_tok_s"] = median(len(ids) / system.prefill(ids) for ids in prompts)
     for n, prompts in w["batches"].items():
         out[f"decode_b{n}_tok_s"] = system.decode_batch(prompts, w["batch_tokens"])
-    out["ttft_uncached_s"] = system.prefill(w["cache_other"])
-    out["ttft_cached_s"] = system.cached_ttft(w["cache_first"], w["cache_second"])
+    out["ttft_uncached_s"] = median(system.prefill(ids) for ids in w["cache_other"])
+    out["ttft_cached_s"] = median(system.cached_ttft(first, second) for first, second in w["cache_pairs"])
     out["peak_rss_bytes"] = rss_bytes("VmHWM")
     out["runtime_rss_bytes"] = runtime_rss
     out["weights_bytes"] = system.weights_bytes() or spec.get("weights_file_bytes", 0)
