@@ -58,6 +58,15 @@ class ModelRunner:
         dtype = self.kv_caches[0][0].dtype
         return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf")).to(self.device)
 
+    def _contiguous_start(self, block_ids: list[int], tokens: int) -> int | None:
+        """First slot of the first ``tokens`` positions when they lie in consecutive blocks
+        (then attention reads the cache in place instead of gathering it), else None."""
+        used = -(-tokens // self.block_size)
+        first = block_ids[0]
+        if block_ids[:used] == list(range(first, first + used)):
+            return first * self.block_size
+        return None
+
     def _build_metadata(self, scheduled: list[ScheduledRequest]) -> AttentionMetadata:
         slot_parts, decode_rows, decode_ctx, prefills = [], [], [], []
         row = 0
@@ -70,7 +79,8 @@ class ModelRunner:
             elif start == 0:
                 prefills.append(PrefillChunk(row, row + n))
             else:
-                prefills.append(PrefillChunk(row, row + n, self._slots(s.block_ids, 0, start + n).to(self.device)))
+                prefills.append(PrefillChunk(row, row + n, self._slots(s.block_ids, 0, start + n).to(self.device),
+                                             self._contiguous_start(s.block_ids, start)))
             row += n
         meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts).to(self.device), prefills=prefills)
         if decode_rows:

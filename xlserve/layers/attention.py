@@ -24,6 +24,7 @@ class PrefillChunk:
     start: int  # first row of the chunk in the flat batch
     end: int
     context_slots: torch.Tensor | None = None  # [C] slots of the whole context; None: no cached prefix
+    prefix_first_slot: int | None = None  # the cached prefix is slots [this, this + C - n) when not None
     _masks: dict = field(default_factory=dict, repr=False)
 
     def group_mask(self, group: int, dtype: torch.dtype) -> torch.Tensor:
@@ -85,42 +86,56 @@ class TorchSDPABackend(AttentionBackend):
                 op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
                 out[chunk.start:chunk.end] = op.squeeze(0).transpose(0, 1)
             else:
-                out[chunk.start:chunk.end] = _attend_context(q[chunk.start:chunk.end], k_cache, v_cache, chunk)
+                rows = slice(chunk.start, chunk.end)
+                out[rows] = _attend_context(q[rows], k[rows], v[rows], k_cache, v_cache, chunk)
         return out
 
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def _attend_context(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    chunk: PrefillChunk) -> torch.Tensor:
-    """A chunk [n, Hq, D] after a cached prefix. The query heads that share a KV head are
-    stacked along the query axis ([1, Hk, G*n, D]): the same result as grouped-query SDPA,
-    with fewer, larger products over the long context and no copy of K/V per query head."""
+def _attend_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
+    """A chunk [n, Hq, D] (its own keys and values ``k``, ``v``) after a cached prefix. The
+    query heads that share a KV head are stacked along the query axis ([1, Hk, G*n, D]):
+    the same result as grouped-query SDPA, with fewer, larger products over the long
+    context and no copy of K/V per query head."""
     n, hq, d = q.shape
     hk = k_cache.shape[1]
     group = hq // hk
     qg = q.view(n, hk, group, d).permute(1, 2, 0, 3).reshape(1, hk, group * n, d)
-    kp = k_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)
-    vp = v_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)
     if q.device.type == "cpu" and _CPU_FLASH is not None:
-        og = _split_attention(qg, kp, vp, n, group)
+        start = len(chunk.context_slots) - n
+        if chunk.prefix_first_slot is not None:  # consecutive blocks: read the cache in place
+            first = chunk.prefix_first_slot
+            k_prefix, v_prefix = k_cache[first:first + start], v_cache[first:first + start]
+        else:
+            k_prefix, v_prefix = k_cache[chunk.context_slots[:start]], v_cache[chunk.context_slots[:start]]
+        og = _split_attention(qg, _heads_first(k_prefix), _heads_first(v_prefix), _heads_first(k),
+                              _heads_first(v), group)
     else:
+        kp = _heads_first(k_cache[chunk.context_slots])
+        vp = _heads_first(v_cache[chunk.context_slots])
         og = F.scaled_dot_product_attention(qg, kp, vp, attn_mask=chunk.group_mask(group, q.dtype))
     return og.view(hk, group, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
 
 
-def _split_attention(qg: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, n: int, group: int) -> torch.Tensor:
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] -> [1, H, T, D] (a view)."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def _split_attention(qg: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k_self: torch.Tensor,
+                     v_self: torch.Tensor, group: int) -> torch.Tensor:
     """Attention over [cached prefix | the chunk itself] as two flash calls merged by their
     log-sum-exps: the prefix needs no mask at all and the chunk is plainly causal, so no
     [n, C] mask is built or read, and the causal half skips its upper triangle."""
-    start = kp.shape[2] - n
-    o_prefix, lse_prefix = _CPU_FLASH(qg, kp[:, :, :start], vp[:, :, :start])
-    _, hk, _, d = qg.shape
+    _, hk, rows, d = qg.shape
+    n = rows // group
+    o_prefix, lse_prefix = _CPU_FLASH(qg, k_prefix, v_prefix)
     q_heads = qg.view(hk, group, n, d).reshape(1, hk * group, n, d)
-    k_self = kp[:, :, start:].repeat_interleave(group, 1)
-    v_self = vp[:, :, start:].repeat_interleave(group, 1)
-    o_self, lse_self = _CPU_FLASH(q_heads, k_self, v_self, is_causal=True)
+    o_self, lse_self = _CPU_FLASH(q_heads, k_self.repeat_interleave(group, 1), v_self.repeat_interleave(group, 1),
+                                  is_causal=True)
     lse_self = lse_self.reshape(1, hk, group * n)
     top = torch.maximum(lse_prefix, lse_self)
     w_prefix, w_self = (lse_prefix - top).exp_(), (lse_self - top).exp_()
