@@ -68,35 +68,59 @@ class ModelRunner:
         return None
 
     def _build_metadata(self, scheduled: list[ScheduledRequest]) -> AttentionMetadata:
-        slot_parts, decode_rows, decode_ctx, prefills = [], [], [], []
+        slot_parts, decode, prefills = [], [], []
         row = 0
         for s in scheduled:
             n, start = len(s.token_ids), s.start_position
-            slot_parts.append(self._slots(s.block_ids, start, start + n))
             if n == 1:
-                decode_rows.append(row)
-                decode_ctx.append(self._slots(s.block_ids, 0, start + 1))
-            elif start == 0:
+                decode.append((row, s))
+                row += 1
+                continue
+            slot_parts.append(self._slots(s.block_ids, start, start + n))
+            if start == 0:
                 prefills.append(PrefillChunk(row, row + n))
             else:
                 prefills.append(PrefillChunk(row, row + n, self._slots(s.block_ids, 0, start + n).to(self.device),
                                              self._contiguous_start(s.block_ids, start)))
             row += n
-        meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts).to(self.device), prefills=prefills)
-        if decode_rows:
-            longest = max(len(c) for c in decode_ctx)
-            slots = torch.zeros(len(decode_ctx), longest, dtype=torch.long)
-            mask = torch.zeros(len(decode_ctx), 1, 1, longest, dtype=torch.bool)
-            for i, ctx in enumerate(decode_ctx):
-                slots[i, :len(ctx)] = ctx
-                mask[i, ..., :len(ctx)] = True
-            meta.decode_rows = torch.tensor(decode_rows, device=self.device)
-            meta.decode_lens = torch.tensor([len(c) for c in decode_ctx], device=self.device)
-            meta.fused_decode = (not prefills and len(decode_rows) <= cpu_ops.MAX_ROWS and self.fused_shapes
-                                 and self.device.type == "cpu" and cpu_ops.kernels() is not None
-                                 and self.kv_caches[0][0].dtype in (torch.bfloat16, torch.float32))
-            meta.decode_slots, meta.decode_mask = slots.to(self.device), self._additive(mask)
+        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), prefills=prefills)
+        if decode:
+            self._decode_metadata(meta, decode, not prefills)
+        # rows in batch order: decode rows carry one slot each, at their place among the chunks
+        meta.slot_mapping = self._ordered_slots(scheduled, slot_parts, meta).to(self.device)
         return meta
+
+    def _decode_metadata(self, meta: AttentionMetadata, decode: list, decode_only: bool) -> None:
+        """Context slots of every one-token sequence from one padded block table, in one gather."""
+        lens = torch.tensor([s.start_position + 1 for _, s in decode])
+        longest = int(lens.max())
+        table = torch.zeros(len(decode), -(-longest // self.block_size), dtype=torch.long)
+        for i, (_, s) in enumerate(decode):
+            table[i, :len(s.block_ids)] = torch.tensor(s.block_ids[:table.shape[1]])
+        pos = torch.arange(longest)
+        slots = table[:, pos // self.block_size] * self.block_size + pos % self.block_size
+        real = pos.unsqueeze(0) < lens.unsqueeze(1)
+        slots.masked_fill_(~real, 0)
+        meta.decode_rows = torch.tensor([r for r, _ in decode], device=self.device)
+        meta.decode_lens = lens.to(self.device)
+        meta.decode_new_slots = slots[torch.arange(len(decode)), lens - 1]
+        meta.fused_decode = (decode_only and len(decode) <= cpu_ops.MAX_ROWS and self.fused_shapes
+                             and self.device.type == "cpu" and cpu_ops.kernels() is not None
+                             and self.kv_caches[0][0].dtype in (torch.bfloat16, torch.float32))
+        meta.decode_slots = slots.to(self.device)
+        if not meta.fused_decode:  # the fused kernel reads lengths; SDPA needs the padding masked
+            meta.decode_mask = self._additive(real.view(len(decode), 1, 1, longest))
+
+    @staticmethod
+    def _ordered_slots(scheduled: list[ScheduledRequest], chunk_slots: list, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.decode_rows is None:
+            return torch.cat(chunk_slots)
+        if not chunk_slots:
+            return meta.decode_new_slots
+        parts, chunks, decodes = [], iter(chunk_slots), iter(meta.decode_new_slots.split(1))
+        for s in scheduled:
+            parts.append(next(decodes) if len(s.token_ids) == 1 else next(chunks))
+        return torch.cat(parts)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:

@@ -46,6 +46,7 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None = None  # [B, L] context slots, padded
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] additive: 0 where a slot is real, else -inf
     decode_lens: torch.Tensor | None = None  # [B] context length of each decode row
+    decode_new_slots: torch.Tensor | None = None  # [B] where each decode row's new K/V goes (CPU)
     fused_decode: bool = False  # decode-only CPU step on the fused kernels (rows = batch, in order)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
