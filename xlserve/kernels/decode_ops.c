@@ -24,18 +24,42 @@ static inline void st(void* p, int64_t i, float v, int bf16) {
 /* round to the activation dtype, staying in fp32 */
 static inline float rnd(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
+#define LANES 16
+
+/* sum of squares of one row in fp32, in 16 partial sums (a loop the compiler vectorizes) */
+static float sum_squares(const void* x, int64_t base, int64_t H, int bf16) {
+  float part[LANES] = {0};
+  int64_t i = 0;
+  if (bf16) {
+    const uint16_t* p = (const uint16_t*)x + base;
+    for (; i + LANES <= H; i += LANES)
+      for (int j = 0; j < LANES; ++j) part[j] += bf16_to_f32(p[i + j]) * bf16_to_f32(p[i + j]);
+  } else {
+    const float* p = (const float*)x + base;
+    for (; i + LANES <= H; i += LANES)
+      for (int j = 0; j < LANES; ++j) part[j] += p[i + j] * p[i + j];
+  }
+  float ss = 0.f;
+  for (; i < H; ++i) ss += ld(x, base + i, bf16) * ld(x, base + i, bf16);
+  for (int j = 0; j < LANES; ++j) ss += part[j];
+  return ss;
+}
+
 /* out = w * dtype(x * rsqrt(mean(x^2) + eps)), the statistics in fp32 */
 void xl_rmsnorm(const void* x, const void* w, void* out, int64_t T, int64_t H, float eps, int bf16) {
   for (int64_t t = 0; t < T; ++t) {
     const int64_t base = t * H;
-    float ss = 0.f;
-    for (int64_t i = 0; i < H; ++i) {
-      float v = ld(x, base + i, bf16);
-      ss += v * v;
+    const float r = 1.0f / sqrtf(sum_squares(x, base, H, bf16) / (float)H + eps);
+    if (bf16) {
+      const uint16_t *xp = (const uint16_t*)x + base, *wp = (const uint16_t*)w;
+      uint16_t* op = (uint16_t*)out + base;
+      for (int64_t i = 0; i < H; ++i)
+        op[i] = f32_to_bf16(bf16_to_f32(wp[i]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(xp[i]) * r)));
+    } else {
+      const float *xp = (const float*)x + base, *wp = (const float*)w;
+      float* op = (float*)out + base;
+      for (int64_t i = 0; i < H; ++i) op[i] = wp[i] * (xp[i] * r);
     }
-    float r = 1.0f / sqrtf(ss / (float)H + eps);
-    for (int64_t i = 0; i < H; ++i)
-      st(out, base + i, ld(w, i, bf16) * rnd(ld(x, base + i, bf16) * r, bf16), bf16);
   }
 }
 
