@@ -143,3 +143,15 @@ def test_bad_input_is_refused_and_engine_keeps_serving(tiny_llama_dir, reference
 def test_sampling_params_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("llama", "bfloat16"), ("qwen2", "bfloat16")])
+def test_prepacked_weights_change_no_output(tiny_model_dirs, arch, dtype):
+    """oneDNN-prepacked weights serve every matmul of more than 4 rows (prefill, the batch
+    of 16); tokens equal the plain weights' exactly."""
+    prompts = _prompts(16, seed=3)
+    plain = LLM(tiny_model_dirs[arch], dtype=dtype, kv_cache_tokens=4096).generate(prompts, GREEDY)
+    packed_llm = LLM(tiny_model_dirs[arch], dtype=dtype, kv_cache_tokens=4096, prepack_weights=True)
+    assert hasattr(packed_llm.engine.runner.model.lm_head.weight, "_xlserve_prepacked")
+    packed = packed_llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in packed] == [o.outputs[0].token_ids for o in plain]

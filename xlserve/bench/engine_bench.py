@@ -44,6 +44,7 @@ class BenchOptions:
     kv_tokens: int = 16384
     budget: int = 2048
     repeats: int = 3  # latency figures are the median of this many runs, each on fresh prompts
+    prepack: bool = False  # xlserve with oneDNN-prepacked weights (ModelConfig.prepack_weights)
 
     def __post_init__(self):
         if self.repeats < 1:
@@ -127,7 +128,7 @@ def run_bench(opts: BenchOptions) -> dict:
             results["skipped"][system] = "not installed (pip install -e .[peers])"
             continue
         spec = {"system": system, "model": bf16, "gguf": bf16, "dtype": opts.dtype, "threads": opts.threads,
-                "kv_tokens": opts.kv_tokens, "budget": opts.budget, "workload": workload,
-                "weights_file_bytes": os.path.getsize(bf16)}
+                "kv_tokens": opts.kv_tokens, "budget": opts.budget, "prepack": opts.prepack,
+                "workload": workload, "weights_file_bytes": os.path.getsize(bf16)}
         results["systems"][system] = derive(run_system(spec))
     return results

@@ -30,7 +30,8 @@ def make_system(spec: dict):
     name = spec["system"]
     if name == "xlserve":
         from xlserve.bench.engine_systems import XlserveSystem
-        return XlserveSystem(spec["model"], spec["dtype"], spec["threads"], spec["kv_tokens"], spec["budget"])
+        return XlserveSystem(spec["model"], spec["dtype"], spec["threads"], spec["kv_tokens"], spec["budget"],
+                             spec.get("prepack", False))
     if name == "llama.cpp":
         from xlserve.bench.engine_systems import LlamaCppSystem
         return LlamaCppSystem(spec["gguf"], spec["threads"], spec["kv_tokens"])

@@ -40,14 +40,14 @@ class System(ABC):
 class XlserveSystem(System):
     name = "xlserve"
 
-    def __init__(self, model: str, dtype: str, threads: int, kv_tokens: int, budget: int):
+    def __init__(self, model: str, dtype: str, threads: int, kv_tokens: int, budget: int, prepack: bool = False):
         import torch
 
         from xlserve.config import EngineConfig
         from xlserve.engine.llm_engine import LLMEngine
         torch.set_num_threads(threads)
         cfg = EngineConfig.from_kwargs(model=model, dtype=dtype, kv_cache_tokens=kv_tokens,
-                                       max_num_batched_tokens=budget, max_num_seqs=64)
+                                       max_num_batched_tokens=budget, max_num_seqs=64, prepack_weights=prepack)
         self.engine = LLMEngine(cfg)
         for k, v in self.engine.runner.kv_caches:  # fault the pool in: RSS then counts all of it
             k.zero_()

@@ -16,11 +16,34 @@ from xlserve.kernels import cpu_ops
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            residual: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias (+ residual)``; few-row bf16 CPU matmuls (decode) take the
-    bandwidth kernel, which also adds the residual."""
+    bandwidth kernel, which also adds the residual; larger ones the prepacked twin of the
+    weight when there is one (``prepack_linear_weights``)."""
     if cpu_ops.use_linear(x, weight):
         return cpu_ops.linear_bf16(x, weight, bias, residual)
-    out = nn.functional.linear(x, weight, bias)
+    packed = getattr(weight, PACKED, None)
+    if packed is not None and x.dim() == 2 and x.dtype == weight.dtype:
+        out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    else:
+        out = nn.functional.linear(x, weight, bias)
     return out if residual is None else residual + out
+
+
+PACKED = "_xlserve_prepacked"
+
+
+def prepack_linear_weights(model: nn.Module, rows_hint: int = 32) -> int:
+    """Give the weight of every linear layer a oneDNN-prepacked twin (CPU): a matmul with a
+    weight in oneDNN's own blocked layout skips the per-call reorder, which dominates for
+    tens of rows. Costs one more copy of those weights. Returns how many were packed."""
+    if not torch.backends.mkldnn.is_available():
+        raise ValueError("prepacked weights need a torch build with oneDNN (mkldnn); this one has none")
+    count = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, (nn.Linear, MergedLinear)) and weight is not None and weight.device.type == "cpu":
+            setattr(weight, PACKED, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint))
+            count += 1
+    return count
 
 
 class Linear(nn.Linear):

@@ -75,6 +75,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
                unit="tensor", leave=False, disable=None)  # None: only on a terminal
     model.load_weights(bar)
     model.eval()
+    if config.prepack_weights and device.type == "cpu":
+        from xlserve.layers.linear import prepack_linear_weights
+        log.info("prepacked %d linear weights for batched CPU matmuls", prepack_linear_weights(model))
     return_freed_memory()
     log.info("loaded %s (%s, %s, %s) on %s", source.name, arch.architecture, source.kind,
              str(dtype).removeprefix("torch."), device)
