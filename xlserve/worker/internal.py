@@ -134,18 +134,7 @@ def add_internal_routes(app: FastAPI, state: WorkerState, config: ServerConfig, 
         req = await read_json(request, InternalGenerateRequest, config.max_body_bytes)
         if req.kv_export and disagg.address is None:
             raise ApiError(400, f"this worker's role is {config.role!r}; kv_export needs prefill or both")
-        try:
-            fields = req.sampling.model_dump()
-            guided = GuidedSpec(**fields.pop("guided")) if req.sampling.guided else None
-            fields.pop("guided", None)
-            params = SamplingParams(**{**fields, "stop": tuple(req.sampling.stop),
-                                       "stop_token_ids": tuple(req.sampling.stop_token_ids), "guided": guided})
-        except ValueError as e:
-            raise ApiError(400, str(e), "sampling") from e
-        try:
-            handoff = HandOff(pause_after=1 if req.kv_export else None, resume=tuple(req.resume_token_ids))
-        except ValueError as e:
-            raise ApiError(400, str(e)) from e
+        params, handoff = _request_plan(req)
         pulled = None
         if req.kv_import is not None:
             pulled = await disagg.pull(req.kv_import, req.on_pull_failure or config.kv_pull_failure)
@@ -163,6 +152,22 @@ def add_internal_routes(app: FastAPI, state: WorkerState, config: ServerConfig, 
         return body
 
     return disagg
+
+
+def _request_plan(req: InternalGenerateRequest) -> tuple[SamplingParams, HandOff]:
+    """Sampling parameters and the hand-off of an internal request; bad ones are a 400."""
+    try:
+        fields = req.sampling.model_dump()
+        guided = GuidedSpec(**fields.pop("guided")) if req.sampling.guided else None
+        fields.pop("guided", None)
+        params = SamplingParams(**{**fields, "stop": tuple(req.sampling.stop),
+                                   "stop_token_ids": tuple(req.sampling.stop_token_ids), "guided": guided})
+    except ValueError as e:
+        raise ApiError(400, str(e), "sampling") from e
+    try:
+        return params, HandOff(pause_after=1 if req.kv_export else None, resume=tuple(req.resume_token_ids))
+    except ValueError as e:
+        raise ApiError(400, str(e)) from e
 
 
 def _summary(out, pulled) -> dict:
