@@ -47,6 +47,7 @@ static float sum_squares(const void* x, int64_t base, int64_t H, int bf16) {
 
 /* out = w * dtype(x * rsqrt(mean(x^2) + eps)), the statistics in fp32 */
 void xl_rmsnorm(const void* x, const void* w, void* out, int64_t T, int64_t H, float eps, int bf16) {
+#pragma omp parallel for schedule(static) if (T >= 64)
   for (int64_t t = 0; t < T; ++t) {
     const int64_t base = t * H;
     const float r = 1.0f / sqrtf(sum_squares(x, base, H, bf16) / (float)H + eps);
