@@ -70,8 +70,9 @@ void xl_rmsnorm(const void* x, const void* w, void* out, int64_t T, int64_t H, f
 void xl_rope(void* qkv, const void* cs, const void* sn, int64_t T, int64_t row, int64_t Hq, int64_t Hk,
              int64_t D, int bf16) {
   const int64_t half = D / 2;
-  float tmp[1024];
+#pragma omp parallel for schedule(static) if (T >= 64)
   for (int64_t t = 0; t < T; ++t) {
+    float tmp[1024];
     for (int64_t h = 0; h < Hq + Hk; ++h) {
       const int64_t base = t * row + h * D;
       for (int64_t i = 0; i < D; ++i) tmp[i] = ld(qkv, base + i, bf16);
