@@ -155,3 +155,11 @@ def test_prepacked_weights_change_no_output(tiny_model_dirs, arch, dtype):
     assert hasattr(packed_llm.engine.runner.model.lm_head.weight, "_xlserve_prepacked")
     packed = packed_llm.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in packed] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_top_logprobs_list_tied_tokens_in_greedy_order():
+    from xlserve.engine.sampler import Sampler
+    row = torch.zeros(1000)
+    row[[700, 30, 500]] = 4.0
+    entry = Sampler.logprobs(row, int(row.max(-1).indices), 3)
+    assert entry["token_id"] == 30 and [t for t, _ in entry["top"]] == [30, 500, 700]

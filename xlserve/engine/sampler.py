@@ -63,5 +63,6 @@ class Sampler:
         entry = {"token_id": token_id, "logprob": float(logp[token_id]), "top": []}
         if num_top:
             vals, ids = torch.topk(logp, num_top)
-            entry["top"] = list(zip(ids.tolist(), vals.tolist()))
+            # equal values in token id order, the order greedy picks them in (topk's is arbitrary)
+            entry["top"] = sorted(zip(ids.tolist(), vals.tolist()), key=lambda pair: (-pair[1], pair[0]))
         return entry
