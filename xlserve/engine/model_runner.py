@@ -14,7 +14,7 @@ from xlserve.engine.guided import GuidedDecoding
 from xlserve.kernels import cpu_ops
 from xlserve.engine.sampler import Sampler
 from xlserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from xlserve.layers.attention import AttentionMetadata, PrefillChunk
+from xlserve.layers.attention import AttentionMetadata, PrefillChunk, additive_mask
 from xlserve.loader.model_loader import LoadedModel
 
 
@@ -51,12 +51,11 @@ class ModelRunner:
         table = torch.tensor(block_ids, dtype=torch.long)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
-        """A boolean mask as 0 / -inf in the activation dtype, built once per step: SDPA's CPU
-        flash kernel takes an additive mask directly, a boolean one costs it a conversion per
-        layer."""
-        dtype = self.kv_caches[0][0].dtype
-        return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf")).to(self.device)
+    def _kernels_apply(self) -> bool:
+        """Whether this step can use the CPU kernels; checked per step, as they can be
+        switched off (``cpu_ops.set_enabled``)."""
+        return (self.fused_shapes and self.device.type == "cpu" and cpu_ops.kernels() is not None
+                and self.kv_caches[0][0].dtype in (torch.bfloat16, torch.float32))
 
     def _contiguous_start(self, block_ids: list[int], tokens: int) -> int | None:
         """First slot of the first ``tokens`` positions when they lie in consecutive blocks
@@ -83,7 +82,8 @@ class ModelRunner:
                 prefills.append(PrefillChunk(row, row + n, self._slots(s.block_ids, 0, start + n).to(self.device),
                                              self._contiguous_start(s.block_ids, start)))
             row += n
-        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), prefills=prefills)
+        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), prefills=prefills,
+                                 cpu_kernels=self._kernels_apply())
         if decode:
             self._decode_metadata(meta, decode, not prefills)
         # rows in batch order: decode rows carry one slot each, at their place among the chunks
@@ -104,12 +104,11 @@ class ModelRunner:
         meta.decode_rows = torch.tensor([r for r, _ in decode], device=self.device)
         meta.decode_lens = lens.to(self.device)
         meta.decode_new_slots = slots[torch.arange(len(decode)), lens - 1]
-        meta.fused_decode = (decode_only and len(decode) <= cpu_ops.MAX_ROWS and self.fused_shapes
-                             and self.device.type == "cpu" and cpu_ops.kernels() is not None
-                             and self.kv_caches[0][0].dtype in (torch.bfloat16, torch.float32))
+        meta.fused_decode = meta.cpu_kernels and decode_only and len(decode) <= cpu_ops.MAX_ROWS
         meta.decode_slots = slots.to(self.device)
         if not meta.fused_decode:  # the fused kernel reads lengths; SDPA needs the padding masked
-            meta.decode_mask = self._additive(real.view(len(decode), 1, 1, longest))
+            meta.decode_mask = additive_mask(real.view(len(decode), 1, 1, longest).to(self.device),
+                                             self.kv_caches[0][0].dtype)
 
     @staticmethod
     def _ordered_slots(scheduled: list[ScheduledRequest], chunk_slots: list, meta: AttentionMetadata) -> torch.Tensor:

@@ -18,6 +18,12 @@ import torch.nn.functional as F
 from xlserve.kernels import cpu_ops
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as 0 / -inf in ``dtype``: SDPA's CPU flash kernel takes an additive
+    mask directly, a boolean one costs it a conversion per layer."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
 @dataclass
 class PrefillChunk:
     """``end - start`` query rows of one sequence, at the end of its context."""
@@ -34,8 +40,7 @@ class PrefillChunk:
             n, ctx = self.end - self.start, len(self.context_slots)
             allowed = torch.arange(ctx, device=self.context_slots.device) <= \
                 torch.arange(ctx - n, ctx, device=self.context_slots.device).unsqueeze(1)
-            mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
-            self._masks[group] = mask.repeat(group, 1)
+            self._masks[group] = additive_mask(allowed, dtype).repeat(group, 1)
         return self._masks[group]
 
 
@@ -47,6 +52,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] additive: 0 where a slot is real, else -inf
     decode_lens: torch.Tensor | None = None  # [B] context length of each decode row
     decode_new_slots: torch.Tensor | None = None  # [B] where each decode row's new K/V goes (CPU)
+    cpu_kernels: bool = False  # the CPU kernels apply to this step (device, dtype, head shapes, library)
     fused_decode: bool = False  # decode-only CPU step on the fused kernels (rows = batch, in order)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
@@ -78,16 +84,14 @@ class TorchSDPABackend(AttentionBackend):
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
             out[rows] = od.squeeze(2)
         for chunk in meta.prefills:
+            rows = slice(chunk.start, chunk.end)
             if chunk.context_slots is None:
                 # 4-D inputs: with 3-D ones torch's CPU SDPA leaves its flash kernel for the
                 # quadratic math path (20x slower at 2,000 tokens).
-                qp = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
-                kp = k[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
-                vp = v[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
-                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
-                out[chunk.start:chunk.end] = op.squeeze(0).transpose(0, 1)
+                op = F.scaled_dot_product_attention(_heads_first(q[rows]), _heads_first(k[rows]),
+                                                    _heads_first(v[rows]), is_causal=True, enable_gqa=True)
+                out[rows] = op.squeeze(0).transpose(0, 1)
             else:
-                rows = slice(chunk.start, chunk.end)
                 out[rows] = _attend_context(q[rows], k[rows], v[rows], k_cache, v_cache, chunk)
         return out
 

@@ -42,14 +42,12 @@ class Attention(nn.Module):
         self.backend = get_attention_backend()
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.split = (q_size, kv_size, kv_size)
-        self.kernel_shapes = cpu_ops.supports_shape(self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, cos_sin, x: torch.Tensor, meta: AttentionMetadata,
                 project_out: bool = True) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
-        fused_rope = self.q_norm is None and (
-            meta.fused_decode or self.kernel_shapes and cpu_ops.usable(qkv, *cos_sin))
+        fused_rope = self.q_norm is None and meta.cpu_kernels
         if fused_rope:  # rotate in place, same rounding as eager; q and k below are views of the buffer
             cpu_ops.rope_(qkv, self.num_heads, self.num_kv_heads, self.head_dim, *cos_sin)
         q, k, v = qkv.split(self.split, dim=-1)
