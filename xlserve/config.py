@@ -33,6 +33,9 @@ class ModelConfig:
     prepack_weights: bool = _opt(False, "CPU: also keep each matmul weight in oneDNN's prepacked layout for "
                                  "batches of more than 4 rows (~1.5x faster batched decode and short "
                                  "prefills, identical output) at the cost of holding the weights twice.")
+    cuda_graphs: bool = _opt(True, "CUDA: replay decode steps from CUDA graphs (one per batch-size and "
+                             "context-length bucket, captured on first use) instead of launching every "
+                             "kernel from Python; --no-cuda-graphs runs every step eagerly.")
 
     def __post_init__(self):
         if not self.model:

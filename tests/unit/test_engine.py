@@ -163,3 +163,23 @@ def test_top_logprobs_list_tied_tokens_in_greedy_order():
     row[[700, 30, 500]] = 4.0
     entry = Sampler.logprobs(row, int(row.max(-1).indices), 3)
     assert entry["token_id"] == 30 and [t for t, _ in entry["top"]] == [30, 500, 700]
+
+
+def test_decode_padding_never_reads_unwritten_slots(tiny_llama_dir):
+    """Batched decode on the SDPA path pads shorter contexts to the longest. Padding is
+    masked, but a masked value still meets a zero weight and 0 x NaN is NaN: with the whole
+    pool poisoned, the tokens must still equal a clean pool's."""
+    from xlserve.kernels import cpu_ops
+    prompts = [list(range(5, 60)), list(range(70, 80)), list(range(100, 130))]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    cpu_ops.set_enabled(False)  # the fused kernel reads lengths and has no padding
+    try:
+        want = [o.outputs[0].token_ids for o in LLM(tiny_llama_dir, dtype="float32").generate(prompts, params)]
+        poisoned = LLM(tiny_llama_dir, dtype="float32")
+        poisoned.generate([1] * 40, params)  # the first blocks now sit in the prefix cache, unused
+        for k, v in poisoned.engine.runner.kv_caches:
+            k.fill_(float("nan"))
+            v.fill_(float("nan"))
+        assert [o.outputs[0].token_ids for o in poisoned.generate(prompts, params)] == want
+    finally:
+        cpu_ops.set_enabled(True)

@@ -13,8 +13,12 @@ def add_bench_parser(sub) -> None:
     e = kinds.add_parser("engine", help="engine speed and memory vs llama.cpp and transformers",
                          description="Runs xlserve and its peers (llama.cpp via llama-cpp-python, transformers) "
                                      "on the same BF16 weights, token ids and threads, one process each.")
-    e.add_argument("--model", default="default", help="GGUF model (default: the bundled SmolLM2-135M)")
+    e.add_argument("--model", default="default",
+                   help="GGUF model (default: the bundled SmolLM2-135M), or a Hugging Face directory "
+                        "(then without llama.cpp)")
     e.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="xlserve dtype")
+    e.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="device of xlserve and transformers (auto: cuda when present)")
     e.add_argument("--threads", type=int, default=2, help="threads for every system")
     e.add_argument("--systems", default="xlserve,llama.cpp,transformers", help="comma-separated systems to run")
     e.add_argument("--out", default="bench-engine.json", help="where to write the JSON results")
@@ -24,6 +28,8 @@ def add_bench_parser(sub) -> None:
                    help="latency figures (decode b1, prefill, TTFT) are the median of this many runs")
     e.add_argument("--prepack-weights", action="store_true",
                    help="run xlserve with a oneDNN-prepacked copy of its weights (faster batches, 2x weights)")
+    e.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run xlserve's decode steps eagerly on CUDA instead of replaying CUDA graphs")
     e.set_defaults(func=cmd_bench_engine)
     s = kinds.add_parser("serve", help="agentic multi-turn workload: one server, or setups side by side",
                          description="Runs N sessions x T turns of an agentic workload (shared system prompt with "
@@ -52,17 +58,17 @@ def add_bench_parser(sub) -> None:
 def cmd_bench_engine(args) -> int:
     from xlserve.bench.engine_bench import BenchOptions, run_bench
     from xlserve.bench.report import engine_goals, engine_png, engine_table, goals_table
-    opts = BenchOptions(model=args.model, dtype=args.dtype, threads=args.threads,
+    opts = BenchOptions(model=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
                         systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()),
                         out=args.out, png=args.png, budget=args.budget, repeats=args.repeats,
-                        prepack=args.prepack_weights)
+                        prepack=args.prepack_weights, cuda_graphs=not args.no_cuda_graphs)
     results = run_bench(opts)
     results["goals"] = engine_goals(results) if "xlserve" in results["systems"] else []
     with open(opts.out, "w") as f:
         json.dump(results, f, indent=2)
     print(engine_table(results))
     print()
-    print(f"weight file read: {results['weight_file_read_s']:.2f} s ({results['bf16_gguf']})")
+    print(f"weight file read: {results['weight_file_read_s']:.2f} s ({results['weights']})")
     for system, why in results["skipped"].items():
         print(f"skipped {system}: {why}")
     for system, r in results["systems"].items():

@@ -27,6 +27,7 @@ ROWS = [  # key, label, higher is better
     ("ttft_uncached_s", "TTFT 4,000 tokens uncached, s", False),
     ("ttft_cached_s", "TTFT 4,000 tokens, 3,900 cached, s", False),
     ("peak_rss_mib", "peak RSS, MiB", False),
+    ("peak_gpu_mib", "peak GPU memory reserved, MiB", False),
     ("overhead_pct", "memory overhead, % of weights + KV", False),
     ("overhead_beyond_runtime_pct", "same, beyond the bare runtime's RSS", False),
     ("cold_start_s", "cold start to first token, s", False),
@@ -37,6 +38,7 @@ ROWS = [  # key, label, higher is better
 class BenchOptions:
     model: str = "default"
     dtype: str = "bfloat16"
+    device: str = "auto"  # xlserve and transformers; llama.cpp here is the CPU build
     threads: int = 2
     systems: tuple[str, ...] = SYSTEMS
     out: str = "bench-engine.json"
@@ -45,6 +47,7 @@ class BenchOptions:
     budget: int = 2048
     repeats: int = 3  # latency figures are the median of this many runs, each on fresh prompts
     prepack: bool = False  # xlserve with oneDNN-prepacked weights (ModelConfig.prepack_weights)
+    cuda_graphs: bool = True  # xlserve replays decode steps from CUDA graphs (ModelConfig.cuda_graphs)
 
     def __post_init__(self):
         if self.repeats < 1:
@@ -69,11 +72,12 @@ def build_workload(tokenizer, repeats: int = 1, seed: int = 0) -> dict:
             "cache_other": [rand_ids(4000) for _ in range(repeats)]}
 
 
-def file_read_seconds(path: str) -> float:
+def file_read_seconds(paths: list[str]) -> float:
     start = time.perf_counter()
-    with open(path, "rb") as f:
-        while f.read(1 << 24):
-            pass
+    for path in paths:
+        with open(path, "rb") as f:
+            while f.read(1 << 24):
+                pass
     return time.perf_counter() - start
 
 
@@ -102,6 +106,10 @@ def derive(result: dict) -> dict:
         return result
     used = result["weights_bytes"] + result["kv_bytes"]
     result["peak_rss_mib"] = result["peak_rss_bytes"] / 2**20
+    if result.get("peak_gpu_bytes"):  # on a GPU the weights and the KV pool live in its memory
+        result["peak_gpu_mib"] = result["peak_gpu_bytes"] / 2**20
+        result["overhead_pct"] = 100.0 * (result["peak_gpu_bytes"] - used) / used if used else None
+        return result
     result["overhead_pct"] = 100.0 * (result["peak_rss_bytes"] - used) / used if used else None
     beyond = result["peak_rss_bytes"] - result.get("runtime_rss_bytes", 0) - used
     result["overhead_beyond_runtime_pct"] = 100.0 * beyond / used if used else None
@@ -110,25 +118,32 @@ def derive(result: dict) -> dict:
 
 def run_bench(opts: BenchOptions) -> dict:
     from xlserve.bench.bf16_gguf import cached_bf16_gguf
-    from xlserve.loader.model_loader import load_model
+    from xlserve.loader.model_loader import load_tokenizer
     from xlserve.loader.model_source import resolve_model
-    from xlserve.config import ModelConfig
+    from xlserve.loader.safetensors_dir import SafetensorsDir
     source = resolve_model(opts.model)
-    if source.kind != "gguf":
-        raise ValueError("bench engine compares against llama.cpp and needs a GGUF model")
-    bf16 = cached_bf16_gguf(source.path)
-    tokenizer = load_model(ModelConfig(model=opts.model, dtype="float32")).tokenizer
+    if source.kind == "gguf":  # every system loads one BF16 GGUF written from it
+        weights = cached_bf16_gguf(source.path)
+        files = [weights]
+    else:  # a Hugging Face directory: llama.cpp needs a GGUF and is skipped
+        weights, files = source.path, SafetensorsDir(source.path).weight_files()
+    tokenizer = load_tokenizer(opts.model)
     workload = build_workload(tokenizer, opts.repeats)
-    results = {"options": vars(opts) | {"systems": list(opts.systems)}, "bf16_gguf": bf16,
-               "weight_file_read_s": file_read_seconds(bf16), "skipped": {}, "systems": {}}
+    results = {"options": vars(opts) | {"systems": list(opts.systems)}, "weights": weights,
+               "weight_file_read_s": file_read_seconds(files), "skipped": {}, "systems": {}}
     bar = tqdm(opts.systems, desc="bench engine", unit="system")
     for system in bar:
         bar.set_postfix_str(system)
         if not available(system):
             results["skipped"][system] = "not installed (pip install -e .[peers])"
             continue
-        spec = {"system": system, "model": bf16, "gguf": bf16, "dtype": opts.dtype, "threads": opts.threads,
-                "kv_tokens": opts.kv_tokens, "budget": opts.budget, "prepack": opts.prepack,
-                "workload": workload, "weights_file_bytes": os.path.getsize(bf16)}
+        if system == "llama.cpp" and source.kind != "gguf":
+            results["skipped"][system] = "needs a GGUF model"
+            continue
+        spec = {"system": system, "model": weights, "dtype": opts.dtype, "device": opts.device,
+                "threads": opts.threads, "kv_tokens": opts.kv_tokens, "budget": opts.budget,
+                "engine_options": {"prepack_weights": opts.prepack, "cuda_graphs": opts.cuda_graphs},
+                "workload": workload,
+                "weights_file_bytes": sum(os.path.getsize(f) for f in files)}
         results["systems"][system] = derive(run_system(spec))
     return results

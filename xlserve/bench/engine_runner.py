@@ -31,13 +31,13 @@ def make_system(spec: dict):
     if name == "xlserve":
         from xlserve.bench.engine_systems import XlserveSystem
         return XlserveSystem(spec["model"], spec["dtype"], spec["threads"], spec["kv_tokens"], spec["budget"],
-                             spec.get("prepack", False))
+                             spec["device"], **spec["engine_options"])
     if name == "llama.cpp":
         from xlserve.bench.engine_systems import LlamaCppSystem
-        return LlamaCppSystem(spec["gguf"], spec["threads"], spec["kv_tokens"])
+        return LlamaCppSystem(spec["model"], spec["threads"], spec["kv_tokens"])
     if name == "transformers":
         from xlserve.bench.engine_systems import TransformersSystem
-        return TransformersSystem(spec["gguf"], spec["threads"])
+        return TransformersSystem(spec["model"], spec["threads"], spec["device"])
     raise ValueError(f"unknown system {name!r}")
 
 
@@ -61,6 +61,7 @@ def measure(spec: dict, spawn_time: float) -> dict:
     out["ttft_uncached_s"] = median(system.prefill(ids) for ids in w["cache_other"])
     out["ttft_cached_s"] = median(system.cached_ttft(first, second) for first, second in w["cache_pairs"])
     out["peak_rss_bytes"] = rss_bytes("VmHWM")
+    out["peak_gpu_bytes"] = system.peak_gpu_bytes()
     out["runtime_rss_bytes"] = runtime_rss
     out["weights_bytes"] = system.weights_bytes() or spec.get("weights_file_bytes", 0)
     out["kv_bytes"] = system.kv_bytes()

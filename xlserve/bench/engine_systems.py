@@ -7,6 +7,7 @@ a fresh process, so memory and cold-start figures are the system's own.
 
 from __future__ import annotations
 
+import sys
 import time
 from abc import ABC, abstractmethod
 
@@ -36,18 +37,25 @@ class System(ABC):
     def kv_bytes(self) -> int:
         return 0
 
+    def peak_gpu_bytes(self) -> int:
+        """GPU memory the system's allocator reserved at its peak; 0 on the CPU."""
+        torch = sys.modules.get("torch")  # not imported where the system does not use it
+        return torch.cuda.max_memory_reserved() if torch is not None and torch.cuda.is_initialized() else 0
+
 
 class XlserveSystem(System):
     name = "xlserve"
 
-    def __init__(self, model: str, dtype: str, threads: int, kv_tokens: int, budget: int, prepack: bool = False):
+    def __init__(self, model: str, dtype: str, threads: int, kv_tokens: int, budget: int, device: str = "auto",
+                 **engine_options):
+        """``engine_options``: further ``EngineConfig`` fields (prepack_weights, cuda_graphs)."""
         import torch
 
         from xlserve.config import EngineConfig
         from xlserve.engine.llm_engine import LLMEngine
         torch.set_num_threads(threads)
-        cfg = EngineConfig.from_kwargs(model=model, dtype=dtype, kv_cache_tokens=kv_tokens,
-                                       max_num_batched_tokens=budget, max_num_seqs=64, prepack_weights=prepack)
+        cfg = EngineConfig.from_kwargs(model=model, dtype=dtype, device=device, kv_cache_tokens=kv_tokens,
+                                       max_num_batched_tokens=budget, max_num_seqs=64, **engine_options)
         self.engine = LLMEngine(cfg)
         for k, v in self.engine.runner.kv_caches:  # fault the pool in: RSS then counts all of it
             k.zero_()
@@ -147,30 +155,42 @@ class LlamaCppSystem(System):
 class TransformersSystem(System):
     name = "transformers"
 
-    def __init__(self, gguf_path: str, threads: int):
+    def __init__(self, model_path: str, threads: int, device: str = "auto"):
         import os
 
         import torch
         from transformers import AutoModelForCausalLM
         torch.set_num_threads(threads)
         self.torch = torch
+        self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                                   "cpu" if device == "auto" else device)
+        where = {"gguf_file": os.path.basename(model_path)} if model_path.endswith(".gguf") else {}
         self.model = AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.bfloat16).eval()
+            os.path.dirname(model_path) if where else model_path, dtype=torch.bfloat16, **where).to(self.device).eval()
+
+    def _ids(self, ids_batch):
+        return self.torch.tensor(ids_batch, device=self.device)
+
+    def _now(self) -> float:
+        """The time once the device has finished what was queued."""
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize()
+        return time.perf_counter()
 
     def prefill(self, ids):
         with self.torch.inference_mode():
-            start = time.perf_counter()
-            self.model(self.torch.tensor([ids]), use_cache=True)
-            return time.perf_counter() - start
+            start = self._now()
+            self.model(self._ids([ids]), use_cache=True).logits[:, -1].argmax(-1)
+            return self._now() - start
 
     def _greedy(self, ids_batch, new_tokens):
         torch = self.torch
         stamps = []
         with torch.inference_mode():
-            out = self.model(torch.tensor(ids_batch), use_cache=True)
+            out = self.model(self._ids(ids_batch), use_cache=True)
             for _ in range(new_tokens):
                 nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-                stamps.append(time.perf_counter())
+                stamps.append(self._now())
                 out = self.model(nxt, past_key_values=out.past_key_values, use_cache=True)
         return stamps
 
@@ -185,12 +205,12 @@ class TransformersSystem(System):
     def cached_ttft(self, first, second):
         torch = self.torch
         with torch.inference_mode():
-            cache = self.model(torch.tensor([first]), use_cache=True).past_key_values
+            cache = self.model(self._ids([first]), use_cache=True).past_key_values
             shared = next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), len(first))
-            start = time.perf_counter()
+            start = self._now()
             cache.crop(shared - len(first))  # drop the unshared tail
-            self.model(torch.tensor([second[shared:]]), past_key_values=cache, use_cache=True)
-            return time.perf_counter() - start
+            self.model(self._ids([second[shared:]]), past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1)
+            return self._now() - start
 
     def weights_bytes(self):
         return sum(p.numel() * p.element_size() for p in self.model.parameters())

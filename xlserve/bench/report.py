@@ -27,6 +27,8 @@ def engine_table(results: dict) -> str:
     head = ["", *names, *(f"xlserve ÷ {p}" for p in peers if "xlserve" in names)]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for key, label, higher in ROWS:
+        if all(systems[n].get(key) is None for n in names):
+            continue  # a row no system measured here (GPU memory on a CPU run)
         cells = [label, *(_fmt(systems[n].get(key)) for n in names)]
         if "xlserve" in names:
             cells += [_fmt(ratio(key, higher, systems["xlserve"], systems[p])) + "×"
@@ -81,7 +83,8 @@ def engine_png(results: dict, path: str) -> None:
     ax.set_xticklabels([label.replace(", ", "\n") for _, label in rows], fontsize=8)
     ax.set_ylabel("tokens / s")
     ax.set_yscale("log")
-    ax.set_title(f"Engine throughput, {results['options']['threads']} threads, same BF16 weights")
+    where = "GPU" if results["options"].get("device") == "cuda" else f"{results['options']['threads']} threads"
+    ax.set_title(f"Engine throughput, {where}, same BF16 weights")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -40,7 +40,8 @@ class LLMEngine:
         self.num_blocks = config.cache.total_blocks
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.max_model_len)
         self.guided = GuidedDecoding(self.tokenizer, arch.vocab_size) if self.tokenizer else None
-        self.runner = ModelRunner(self.loaded, self.num_blocks, self.block_size, self.guided)
+        self.runner = ModelRunner(self.loaded, self.num_blocks, self.block_size, self.guided,
+                                  config.model.cuda_graphs, self.max_model_len)
         # Anything that changes the KV of a token sequence goes into the block hash.
         self.extra_key = hashlib.blake2b(
             f"{self.loaded.source.path}|{self.loaded.dtype}".encode(), digest_size=8).digest()

@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from xlserve.engine.cuda_graph import DecodeGraphs
 from xlserve.engine.guided import GuidedDecoding
 from xlserve.kernels import cpu_ops
 from xlserve.engine.sampler import Sampler
 from xlserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from xlserve.layers.attention import AttentionMetadata, PrefillChunk, additive_mask
+from xlserve.layers.attention import AttentionMetadata, PrefillChunk, additive_mask, padded_with_new_slot
 from xlserve.loader.model_loader import LoadedModel
 
 
@@ -26,13 +27,15 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
-                 guided: GuidedDecoding | None = None):
+                 guided: GuidedDecoding | None = None, cuda_graphs: bool = False, max_context: int = 0):
         self.model = loaded.model
         self.device = loaded.device
         self.block_size = block_size
         arch = loaded.arch
         num_slots = num_blocks * block_size
-        shape = (num_slots, arch.num_kv_heads, arch.head_dim)
+        # one more block than the pool hands out: the scratch block that padding rows of a
+        # CUDA graph write to
+        shape = (num_slots + block_size, arch.num_kv_heads, arch.head_dim)
         # torch.empty: pages of an untouched pool are never faulted in on the CPU.
         self.kv_caches = [(torch.empty(shape, dtype=loaded.dtype, device=self.device),
                            torch.empty(shape, dtype=loaded.dtype, device=self.device))
@@ -45,6 +48,10 @@ class ModelRunner:
         self.generators: dict[str, tuple[int, torch.Generator]] = {}
         self.guided = guided
         self.matchers: dict[str, object] = {}  # request id -> grammar matcher
+        self.graphs = None
+        if cuda_graphs and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(self.model, self.device, block_size, num_blocks,
+                                       max_context or arch.max_position_embeddings)
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)
@@ -100,10 +107,10 @@ class ModelRunner:
         pos = torch.arange(longest)
         slots = table[:, pos // self.block_size] * self.block_size + pos % self.block_size
         real = pos.unsqueeze(0) < lens.unsqueeze(1)
-        slots.masked_fill_(~real, 0)
+        meta.decode_new_slots = slots[torch.arange(len(decode)), lens - 1]
+        slots = padded_with_new_slot(slots, real, meta.decode_new_slots)
         meta.decode_rows = torch.tensor([r for r, _ in decode], device=self.device)
         meta.decode_lens = lens.to(self.device)
-        meta.decode_new_slots = slots[torch.arange(len(decode)), lens - 1]
         meta.fused_decode = meta.cpu_kernels and decode_only and len(decode) <= cpu_ops.MAX_ROWS
         meta.decode_slots = slots.to(self.device)
         if not meta.fused_decode:  # the fused kernel reads lengths; SDPA needs the padding masked
@@ -128,6 +135,11 @@ class ModelRunner:
             self.matchers.pop(request_id, None)
         if not output.scheduled:
             return RunnerOutput()
+        if self._graph_step(output.scheduled):
+            scheduled = output.scheduled
+            logits = self.graphs.logits([s.token_ids[0] for s in scheduled], [s.start_position for s in scheduled],
+                                        [s.block_ids for s in scheduled])
+            return self._sample(logits[:len(scheduled)], scheduled)
         ids, positions, last_rows = [], [], []
         for s in output.scheduled:
             ids.extend(s.token_ids)
@@ -142,6 +154,11 @@ class ModelRunner:
         rows = torch.tensor([r for _, r in sampling], device=self.device)
         logits = self.model.compute_logits(hidden[rows])
         return self._sample(logits, [s for s, _ in sampling])
+
+    def _graph_step(self, scheduled: list[ScheduledRequest]) -> bool:
+        """A decode-only step that a CUDA graph can replay."""
+        return (self.graphs is not None and all(len(s.token_ids) == 1 and s.sample for s in scheduled)
+                and self.graphs.supports(len(scheduled), max(s.start_position for s in scheduled) + 1))
 
     def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> RunnerOutput:
         out = RunnerOutput()

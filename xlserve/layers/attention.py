@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from xlserve.kernels import cpu_ops
 
@@ -24,6 +25,13 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
+def padded_with_new_slot(slots: torch.Tensor, real: torch.Tensor, new_slots: torch.Tensor) -> torch.Tensor:
+    """Padded context slots [B, L] with each row's padding pointed at its own new slot. A
+    masked key still has its value multiplied by a zero weight, and 0 x NaN is NaN: padding
+    must read a slot written this step, never memory that may hold any bit pattern."""
+    return torch.where(real, slots, new_slots.unsqueeze(1))
+
+
 @dataclass
 class PrefillChunk:
     """``end - start`` query rows of one sequence, at the end of its context."""
@@ -31,17 +39,6 @@ class PrefillChunk:
     end: int
     context_slots: torch.Tensor | None = None  # [C] slots of the whole context; None: no cached prefix
     prefix_first_slot: int | None = None  # the cached prefix is slots [this, this + C - n) when not None
-    _masks: dict = field(default_factory=dict, repr=False)
-
-    def group_mask(self, group: int, dtype: torch.dtype) -> torch.Tensor:
-        """Additive causal mask [group * n, C] for ``group`` query heads stacked along the
-        query axis; built once per step, shared by every layer."""
-        if group not in self._masks:
-            n, ctx = self.end - self.start, len(self.context_slots)
-            allowed = torch.arange(ctx, device=self.context_slots.device) <= \
-                torch.arange(ctx - n, ctx, device=self.context_slots.device).unsqueeze(1)
-            self._masks[group] = additive_mask(allowed, dtype).repeat(group, 1)
-        return self._masks[group]
 
 
 @dataclass
@@ -101,27 +98,28 @@ _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 
 def _attend_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
-    """A chunk [n, Hq, D] (its own keys and values ``k``, ``v``) after a cached prefix. The
-    query heads that share a KV head are stacked along the query axis ([1, Hk, G*n, D]):
-    the same result as grouped-query SDPA, with fewer, larger products over the long
-    context and no copy of K/V per query head."""
+    """A chunk [n, Hq, D] (its own keys and values ``k``, ``v``, already in the cache) after
+    a cached prefix: each row attends to the prefix and to the chunk up to itself."""
     n, hq, d = q.shape
+    if q.device.type != "cpu" or _CPU_FLASH is None:
+        # one fused-attention call (flash on CUDA) with the causal mask aligned to the
+        # chunk's end; no mask is materialized
+        ctx = chunk.context_slots
+        out = F.scaled_dot_product_attention(_heads_first(q), _heads_first(k_cache[ctx]), _heads_first(v_cache[ctx]),
+                                             attn_mask=causal_lower_right(n, len(ctx)), enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)
+    # CPU: the query heads that share a KV head are stacked along the query axis
+    # ([1, Hk, G*n, D]): fewer, larger products over the long context, no K/V copy per head
     hk = k_cache.shape[1]
     group = hq // hk
     qg = q.view(n, hk, group, d).permute(1, 2, 0, 3).reshape(1, hk, group * n, d)
-    if q.device.type == "cpu" and _CPU_FLASH is not None:
-        start = len(chunk.context_slots) - n
-        if chunk.prefix_first_slot is not None:  # consecutive blocks: read the cache in place
-            first = chunk.prefix_first_slot
-            k_prefix, v_prefix = k_cache[first:first + start], v_cache[first:first + start]
-        else:
-            k_prefix, v_prefix = k_cache[chunk.context_slots[:start]], v_cache[chunk.context_slots[:start]]
-        og = _split_attention(qg, _heads_first(k_prefix), _heads_first(v_prefix), _heads_first(k),
-                              _heads_first(v), group)
+    start = len(chunk.context_slots) - n
+    if chunk.prefix_first_slot is not None:  # consecutive blocks: read the cache in place
+        first = chunk.prefix_first_slot
+        k_prefix, v_prefix = k_cache[first:first + start], v_cache[first:first + start]
     else:
-        kp = _heads_first(k_cache[chunk.context_slots])
-        vp = _heads_first(v_cache[chunk.context_slots])
-        og = F.scaled_dot_product_attention(qg, kp, vp, attn_mask=chunk.group_mask(group, q.dtype))
+        k_prefix, v_prefix = k_cache[chunk.context_slots[:start]], v_cache[chunk.context_slots[:start]]
+    og = _split_attention(qg, _heads_first(k_prefix), _heads_first(v_prefix), _heads_first(k), _heads_first(v), group)
     return og.view(hk, group, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
 
 

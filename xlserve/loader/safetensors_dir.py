@@ -17,7 +17,7 @@ class SafetensorsDir:
                 self.config = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"cannot read config.json in {path!r}: {e}") from e
-        self.files = self._weight_files()
+        self.files = self.weight_files()
         self.num_tensors = sum(self._count(f) for f in self.files)
 
     @staticmethod
@@ -29,7 +29,7 @@ class SafetensorsDir:
         except SafetensorError as e:
             raise ValueError(f"cannot read weights {file!r} (corrupt or truncated?): {e}") from e
 
-    def _weight_files(self) -> list[str]:
+    def weight_files(self) -> list[str]:
         index = os.path.join(self.path, "model.safetensors.index.json")
         if os.path.isfile(index):
             with open(index) as f:
