@@ -38,9 +38,9 @@ SIGNATURES = {
     "xl_rope": [P, P, P, I64, I64, I64, I64, I64, I32],
     "xl_silu_mul": [P, P, I64, I64, I32],
     "xl_decode_attention": [P, P, P, I64, P, P, P, P, P, P, I64, I64, I64, I64, I64, F32, I32, I32],
-    "xl_decode_layer": [P, I64, I64, P, P, F32, P, P, P, P, P, I64, I64, I64, I64, P, P, P, P, P, P, P, I64,
-                        F32, I32, I32],
+    "xl_decode_layers": [P, I64, I64, I64, P, F32, I64, I64, I64, I64, P, P, P, P, P, I64, F32, I32, I32],
 }
+LAYER_POINTERS = 9  # per layer in ``decode_layers_``'s table, in xl_decode_layers' order
 
 
 def set_enabled(enabled: bool) -> None:
@@ -189,16 +189,14 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     return out
 
 
-def decode_layer_(x: torch.Tensor, ln1: torch.Tensor, ln2: torch.Tensor, eps: float, w_qkv: torch.Tensor,
-                  b_qkv: torch.Tensor | None, w_o: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                  num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, new_slots: torch.Tensor, slots: torch.Tensor,
-                  lens: torch.Tensor) -> None:
-    """One Llama-style decoder layer on ``x`` [B, H] in place (B <= LINEAR_MAX_ROWS, bf16 weights)."""
+def decode_layers_(x: torch.Tensor, table: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int,
+                   head_dim: int, intermediate: int, cos: torch.Tensor, sin: torch.Tensor, new_slots: torch.Tensor,
+                   slots: torch.Tensor, lens: torch.Tensor) -> None:
+    """Every Llama-style decoder layer on ``x`` [B, H] in place (B <= LINEAR_MAX_ROWS, bf16
+    weights): ``table`` [layers, LAYER_POINTERS] int64 holds each layer's weight and KV-cache
+    addresses; cos/sin [B, D]; the new K/V go to ``new_slots``, attention reads ``slots``."""
     b, h = x.shape
-    kernels().xl_decode_layer(
-        x.data_ptr(), b, h, ln1.data_ptr(), ln2.data_ptr(), eps, w_qkv.data_ptr(),
-        b_qkv.data_ptr() if b_qkv is not None else None, w_o.data_ptr(), w_gate_up.data_ptr(), w_down.data_ptr(),
-        num_heads, num_kv_heads, head_dim, w_down.shape[1], cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
-        v_cache.data_ptr(), new_slots.data_ptr(), slots.data_ptr(), lens.data_ptr(), slots.shape[1],
+    kernels().xl_decode_layers(
+        x.data_ptr(), b, h, table.shape[0], table.data_ptr(), eps, num_heads, num_kv_heads, head_dim, intermediate,
+        cos.data_ptr(), sin.data_ptr(), new_slots.data_ptr(), slots.data_ptr(), lens.data_ptr(), slots.shape[1],
         head_dim ** -0.5, _is_bf16(x), torch.get_num_threads())

@@ -53,3 +53,18 @@ void xl_decode_layer(void* x, int64_t B, int64_t H, const void* ln1, const void*
   free(act);
   free(x2);
 }
+
+/* Every decoder layer of a decode step in one call (no Python between layers). Per layer,
+ * ``ptrs`` holds 9 addresses: ln1, ln2, w_qkv, b_qkv (0: none), w_o, w_gate_up, w_down,
+ * k_cache, v_cache. */
+void xl_decode_layers(void* x, int64_t B, int64_t H, int64_t n_layers, const int64_t* ptrs, float eps,
+                      int64_t Hq, int64_t Hk, int64_t D, int64_t I, const void* cs, const void* sn,
+                      const int64_t* new_slots, const int64_t* slots, const int64_t* lens, int64_t L,
+                      float scale, int bf16, int threads) {
+  for (int64_t l = 0; l < n_layers; l++) {
+    const int64_t* p = ptrs + 9 * l;
+    xl_decode_layer(x, B, H, (const void*)p[0], (const void*)p[1], eps, (const uint16_t*)p[2], (const void*)p[3],
+                    (const uint16_t*)p[4], (const uint16_t*)p[5], (const uint16_t*)p[6], Hq, Hk, D, I, cs, sn,
+                    (void*)p[7], (void*)p[8], new_slots, slots, lens, L, scale, bf16, threads);
+  }
+}

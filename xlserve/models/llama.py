@@ -88,18 +88,22 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(cos_sin, self.input_layernorm(x), meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def _forward_fused(self, cos_sin, x, meta):
-        """The same layer on the fused decode kernels: one call for a few sequences with bf16
-        weights, else a dozen calls instead of ~35 ops."""
+    def whole_layer_kernel(self, x: torch.Tensor) -> bool:
+        """The decode-layer kernel applies: no QK norm, bf16 weights, few rows, CPU."""
+        return self.self_attn.q_norm is None and cpu_ops.use_linear(x, self.self_attn.qkv_proj.weight)
+
+    def kernel_addresses(self) -> list[int]:
+        """This layer's weight and KV-cache addresses in ``cpu_ops.decode_layers_``'s order."""
         attn, mlp = self.self_attn, self.mlp
-        if attn.q_norm is None and cpu_ops.use_linear(x, attn.qkv_proj.weight):
-            x = x.contiguous().clone()
-            cpu_ops.decode_layer_(x, self.input_layernorm.weight, self.post_attention_layernorm.weight,
-                                  self.input_layernorm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias,
-                                  attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
-                                  attn.num_heads, attn.num_kv_heads, attn.head_dim, *cos_sin, *attn.kv_cache,
-                                  meta.slot_mapping, meta.decode_slots, meta.decode_lens)
-            return x
+        tensors = (self.input_layernorm.weight, self.post_attention_layernorm.weight, attn.qkv_proj.weight,
+                   attn.qkv_proj.bias, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
+                   *attn.kv_cache)
+        return [t.data_ptr() if t is not None else 0 for t in tensors]
+
+    def _forward_fused(self, cos_sin, x, meta):
+        """The same layer on the fused decode kernels, a dozen calls instead of ~35 ops (more
+        rows than the one-call path takes, or QK norms)."""
+        attn, mlp = self.self_attn, self.mlp
         h = cpu_ops.rmsnorm(x, self.input_layernorm.weight, self.input_layernorm.eps)
         x = linear(attn(cos_sin, h, meta, project_out=False), attn.o_proj.weight, None, residual=x)
         h = cpu_ops.rmsnorm(x, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
@@ -117,13 +121,31 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(arch, rotary, qkv_bias, qk_norm)
                                     for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        # [layers, 9] addresses for the one-call decode; bind_kv_cache resets them
+        self.layer_addresses: torch.Tensor | None = None
 
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
+        if meta.fused_decode and self.layers[0].whole_layer_kernel(x):
+            return self.norm(self._decode_in_one_call(cos_sin, x, meta))
         for layer in self.layers:
             x = layer(cos_sin, x, meta)
         return self.norm(x)
+
+    def _decode_in_one_call(self, cos_sin, x, meta):
+        """Every layer of a few-row decode step in one C call: the per-layer kernel chained
+        in C, so Python runs once per step instead of once per layer."""
+        if self.layer_addresses is None:
+            self.layer_addresses = torch.tensor([layer.kernel_addresses() for layer in self.layers],
+                                                dtype=torch.int64)
+        first = self.layers[0]
+        attn = first.self_attn
+        x = x.contiguous().clone()
+        cpu_ops.decode_layers_(x, self.layer_addresses, first.input_layernorm.eps, attn.num_heads,
+                               attn.num_kv_heads, attn.head_dim, first.mlp.down_proj.weight.shape[1], *cos_sin,
+                               meta.slot_mapping, meta.decode_slots, meta.decode_lens)
+        return x
 
 
 class LlamaForCausalLM(nn.Module):
@@ -141,6 +163,7 @@ class LlamaForCausalLM(nn.Module):
     def bind_kv_cache(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for layer, cache in zip(self.model.layers, caches, strict=True):
             layer.self_attn.kv_cache = cache
+        self.model.layer_addresses = None  # the addresses include the caches: rebuilt on next use
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
