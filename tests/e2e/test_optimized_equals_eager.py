@@ -12,18 +12,27 @@ from xlserve.kernels import cpu_ops
 
 CHATS = [[{"role": "user", "content": q}] for q in (
     "What is the capital of France?", "Write a haiku about the sea.",
-    "Explain recursion in two sentences.", "List three fruits and their colors.")]
+    "Explain recursion in two sentences.", "List three fruits and their colors.",
+    "Name a prime number above fifty.", "Translate 'good morning' into Spanish.",
+    "What does a compiler do?", "Give one tip for writing clear emails.")]
+
+
+def _run(llm, params, batched):
+    if batched:  # 8 decode rows per step: the AMX matmul and the batched attention kernel
+        return [o.outputs[0] for o in llm.chat(CHATS, params)]
+    return [llm.chat(chat, params)[0].outputs[0] for chat in CHATS[:4]]  # batch 1: the one-call decode
 
 
 @pytest.mark.skipif(cpu_ops.kernels() is None, reason="CPU kernels unavailable here")
+@pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_greedy_with_kernels_equals_eager(dtype):
-    llm = LLM("default", dtype=dtype)
+def test_greedy_with_kernels_equals_eager(dtype, batched):
+    llm = LLM("default", dtype=dtype, enable_prefix_caching=False)  # the eager run computes its own prompts
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=2)
-    fast_outs = [llm.chat(chat, params)[0].outputs[0] for chat in CHATS]  # batch 1: fused decode layer
+    fast_outs = _run(llm, params, batched)
     cpu_ops.set_enabled(False)
     try:
-        eager_outs = [llm.chat(chat, params)[0].outputs[0] for chat in CHATS]
+        eager_outs = _run(llm, params, batched)
     finally:
         cpu_ops.set_enabled(True)
     fast, eager = [o.token_ids for o in fast_outs], [o.token_ids for o in eager_outs]

@@ -35,6 +35,36 @@ def test_linear_matches_reference(rows, shape, dtype):
     _close(got, ref, dtype)
 
 
+needs_amx = pytest.mark.skipif(cpu_ops.kernels() is None or not cpu_ops.amx_ready(), reason="CPU without AMX")
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [5, 16, 17, 33, 64])
+@pytest.mark.parametrize("shape", [(960, 576), (96, 1536), (64, 32)])
+def test_amx_linear_matches_reference(rows, shape):
+    n, k = shape
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(rows, k, generator=g).bfloat16()
+    bias, residual = torch.randn(n, generator=g).bfloat16(), torch.randn(rows, n, generator=g).bfloat16()
+    assert cpu_ops.use_amx(x, w)
+    _close(cpu_ops.linear_amx(x, w), x.double() @ w.double().T, torch.bfloat16)
+    got = cpu_ops.linear_amx(x, w, bias, residual)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    _close(got, x.double() @ w.double().T + bias.double() + residual.double(), torch.bfloat16)
+    # the row kernel's rounding: the product plus bias rounded once, then the residual added
+    assert torch.equal(got, (cpu_ops.linear_amx(x, w, bias).float() + residual.float()).bfloat16())
+
+
+@needs_amx
+def test_amx_dispatch():
+    w = torch.randn(64, 32).bfloat16()
+    assert not cpu_ops.use_amx(torch.randn(cpu_ops.LINEAR_MAX_ROWS, 32).bfloat16(), w)  # the row kernel's
+    assert cpu_ops.use_amx(torch.randn(cpu_ops.AMX_MAX_ROWS, 32).bfloat16(), w)
+    assert not cpu_ops.use_amx(torch.randn(cpu_ops.AMX_MAX_ROWS + 1, 32).bfloat16(), w)
+    assert not cpu_ops.use_amx(torch.randn(8, 32).bfloat16(), torch.randn(48, 32).bfloat16())  # N % 32
+    assert not cpu_ops.use_amx(torch.randn(8, 32), w.float())
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rmsnorm_rope_silu_match_eager(dtype):

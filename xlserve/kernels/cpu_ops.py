@@ -20,15 +20,18 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(n) for n in ("gemv_bf16.c", "decode_ops.c", "decode_attention.c", "decode_layer.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("gemv_bf16.c", "gemm_amx.c", "decode_ops.c", "decode_attention.c",
+                                                 "decode_layer.c")]
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 LINEAR_MAX_ROWS = 4  # beyond this, oneDNN's GEMM (AMX where present) beats a pass per row block
 MAX_ROWS = 64  # decode batches up to this size take the fused path (norm, rope, attention)
+AMX_MAX_ROWS = 64  # up to this many rows our AMX matmul beats oneDNN's (which reorders the weight per call)
 MAX_HEAD_DIM = 1024
 
 _lock = threading.Lock()
 _lib = None
 _tried = False
+_amx: bool | None = None
 _enabled = os.environ.get("XLSERVE_EAGER", "") in ("", "0")
 
 P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -38,6 +41,8 @@ SIGNATURES = {
     "xl_rope": [P, P, P, I64, I64, I64, I64, I64, I32],
     "xl_silu_mul": [P, P, I64, I64, I32],
     "xl_decode_attention": [P, P, P, I64, P, P, P, P, P, P, I64, I64, I64, I64, I64, F32, I32, I32],
+    "xl_amx_ready": [],
+    "xl_linear_amx": [P, P, P, P, P, I64, I64, I64, I32],
     "xl_decode_layers": [P, I64, I64, I64, P, F32, I64, I64, I64, I64, P, P, P, P, P, I64, F32, I32, I32],
 }
 LAYER_POINTERS = 9  # per layer in ``decode_layers_``'s table, in xl_decode_layers' order
@@ -67,9 +72,12 @@ def cpu_flags() -> set[str]:
 
 
 def _cflags() -> list[str]:
-    if "avx512_bf16" in cpu_flags():
-        return [*CFLAGS, "-mavx512bf16", "-DXL_HAVE_BF16_DOT"]
-    return list(CFLAGS)
+    flags, have = list(CFLAGS), cpu_flags()
+    if "avx512_bf16" in have:
+        flags += ["-mavx512bf16", "-DXL_HAVE_BF16_DOT"]
+    if {"amx_tile", "amx_bf16", "avx512_bf16"} <= have:
+        flags += ["-mamx-tile", "-mamx-bf16", "-DXL_HAVE_AMX"]
+    return flags
 
 
 def _build() -> ctypes.CDLL | None:
@@ -96,6 +104,7 @@ def _build() -> ctypes.CDLL | None:
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
+    lib.xl_amx_ready.restype = ctypes.c_int
     return lib
 
 
@@ -147,6 +156,36 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     res_ptr = residual.contiguous().data_ptr() if residual is not None else None
     lib.xl_linear_bf16(x.data_ptr(), weight.data_ptr(), bias_ptr, res_ptr, out.data_ptr(), m, n, k, _is_bf16(x),
                        torch.get_num_threads())
+    return out
+
+
+def use_amx(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The AMX matmul applies: bf16 activations and weight, more rows than the row kernel
+    takes and at most AMX_MAX_ROWS, K and N multiples of 32, AMX usable in this process."""
+    n, k = weight.shape
+    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and n % 32 == 0 and k % 32 == 0
+            and LINEAR_MAX_ROWS < x.numel() // k <= AMX_MAX_ROWS and usable(weight, x) and amx_ready())
+
+
+def amx_ready() -> bool:
+    """The kernels were built with AMX and the OS lets this process use the tiles."""
+    global _amx
+    if _amx is None:
+        lib = kernels()
+        _amx = lib is not None and bool(lib.xl_amx_ready())
+    return _amx
+
+
+def linear_amx(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias) (+ residual)`` on AMX tiles, the weight read in place."""
+    x = x.contiguous()
+    n, k = weight.shape
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+    bias_ptr = bias.to(x.dtype).contiguous().data_ptr() if bias is not None else None
+    res_ptr = residual.contiguous().data_ptr() if residual is not None else None
+    kernels().xl_linear_amx(x.data_ptr(), weight.data_ptr(), bias_ptr, res_ptr, out.data_ptr(), x.numel() // k, n, k,
+                            torch.get_num_threads())
     return out
 
 

@@ -77,6 +77,9 @@ void xl_gemv_bf16(const float* x, const uint16_t* w, float* out, int64_t M, int6
 
 #include "bf16.h"
 
+void xl_linear_epilogue(float* of, const void* bias, const void* residual, void* out, int64_t M, int64_t N,
+                        int bf16);
+
 #ifdef XL_HAVE_BF16_DOT
 /* bf16 activations on CPUs with AVX512-BF16: vdpbf16ps multiplies 32 bf16 pairs per
  * instruction (exact products, fp32 accumulation), half the work of widening. */
@@ -149,6 +152,15 @@ void xl_linear_bf16(const void* x, const uint16_t* w, const void* bias, const vo
     for (int64_t i = 0; i < M * K; ++i) xf[i] = bf16_to_f32(((const uint16_t*)x)[i]);
   }
   if (xf) xl_gemv_bf16(xf, w, of, M, N, K, threads);
+  if (bf16 && xf) free(xf);
+  xl_linear_epilogue(of, bias, residual, out, M, N, bf16);
+  if (bf16) free(of);
+}
+
+/* fp32 products ``of`` [M, N] -> out: + bias, rounded to the dtype, + residual, rounded
+ * again (in place when out is fp32 and is ``of``). */
+void xl_linear_epilogue(float* of, const void* bias, const void* residual, void* out, int64_t M, int64_t N,
+                        int bf16) {
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t n = 0; n < N; ++n) {
       float v = of[m * N + n];
@@ -160,9 +172,5 @@ void xl_linear_bf16(const void* x, const uint16_t* w, const void* bias, const vo
       if (bf16) ((uint16_t*)out)[m * N + n] = f32_to_bf16(v);
       else of[m * N + n] = v;
     }
-  }
-  if (bf16) {
-    if (xf) free(xf);
-    free(of);
   }
 }

@@ -16,10 +16,13 @@ from xlserve.kernels import cpu_ops
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            residual: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias (+ residual)``; few-row bf16 CPU matmuls (decode) take the
-    bandwidth kernel, which also adds the residual; larger ones the prepacked twin of the
-    weight when there is one (``prepack_linear_weights``)."""
+    bandwidth kernel, batches up to ``cpu_ops.AMX_MAX_ROWS`` rows the AMX kernel (both read
+    the weight in place and add the residual); larger ones the prepacked twin of the weight
+    when there is one (``prepack_linear_weights``), else torch."""
     if cpu_ops.use_linear(x, weight):
         return cpu_ops.linear_bf16(x, weight, bias, residual)
+    if cpu_ops.use_amx(x, weight):
+        return cpu_ops.linear_amx(x, weight, bias, residual)
     packed = getattr(weight, PACKED, None)
     if packed is not None and x.dim() == 2 and x.dtype == weight.dtype:
         out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

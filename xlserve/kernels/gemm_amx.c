@@ -1,0 +1,179 @@
+/* Batched bf16 matmul on AMX tiles that reads the weight in its plain [N, K] layout.
+ *
+ * out[M, N] = x[M, K] @ W[N, K]^T for 5 to a few hundred rows (batched decode, short
+ * prefill chunks). oneDNN needs the weight reordered into its blocked layout for AMX:
+ * per call that reorder costs more than the product at these sizes, and keeping a
+ * reordered copy doubles the weights. Here the roles are swapped: a tile of W (16
+ * output features x 32 inputs, rows of W as they lie in memory) is the A operand, and
+ * the activations, transposed once per call into AMX's pair-interleaved layout, are the
+ * B operand. The tile product is then out^T, 16 features x 16 rows, accumulated in fp32
+ * across K and written back transposed.
+ *
+ * Needs K % 32 == 0 and N % 32 == 0 (the caller checks), and AMX permission from the
+ * kernel, asked for once per process.
+ */
+#include <stdint.h>
+
+#ifdef XL_HAVE_AMX
+#include <immintrin.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} tile_config;
+
+/* 1 when the process may use AMX tiles (asks the kernel on first call). */
+int xl_amx_ready(void) {
+  static int state = -1;
+  if (state < 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  return state;
+}
+
+/* Every tile register is 16 rows x 64 bytes: C (16 x 16 fp32), A (16 x 32 bf16), B (16 x 16 pairs). */
+static void configure_tiles(void) {
+  tile_config cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+/* x [M, K] bf16 -> tiles [M/16][K/32] of 16 K-pairs x 16 rows (32-bit pairs), zero-padded rows. */
+static uint32_t* pair_interleave(const uint16_t* x, int64_t M, int64_t K, int64_t m_blocks) {
+  const int64_t k_blocks = K / 32;
+  uint32_t* xb = aligned_alloc(64, (size_t)m_blocks * k_blocks * 1024);
+  for (int64_t mb = 0; mb < m_blocks; ++mb) {
+    for (int64_t j = 0; j < 16; ++j) {
+      const int64_t m = mb * 16 + j;
+      const uint32_t* row = (const uint32_t*)(x + m * K);
+      for (int64_t kb = 0; kb < k_blocks; ++kb) {
+        uint32_t* tile = xb + (mb * k_blocks + kb) * 256;
+        for (int64_t p = 0; p < 16; ++p) tile[p * 16 + j] = m < M ? row[kb * 16 + p] : 0;
+      }
+    }
+  }
+  return xb;
+}
+
+static inline __m512 widen16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+static inline __m256i round16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+/* One C tile (16 features x 16 rows, fp32) -> out rows [m0, m0 + 16) x features [n0, n0 + 16)
+ * in bf16: + bias, rounded; + residual, rounded again (xl_linear_bf16's rounding). The
+ * tile is read column by column with a gather, so each output row is one 32-byte store. */
+static void write_tile(const float* c, int64_t n0, int64_t m0, int64_t M, int64_t N, const uint16_t* bias,
+                       const uint16_t* residual, uint16_t* out) {
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(16));
+  const __m512 b = bias ? widen16(bias + n0) : _mm512_setzero_ps();
+  for (int64_t j = 0; j < 16 && m0 + j < M; ++j) {
+    __m512 v = _mm512_add_ps(_mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32((int)j)), c, 4), b);
+    if (residual) {
+      const __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round16(v)), 16));
+      v = _mm512_add_ps(rounded, widen16(residual + (m0 + j) * N + n0));
+    }
+    _mm256_storeu_si256((__m256i*)(out + (m0 + j) * N + n0), round16(v));
+  }
+}
+
+/* Two feature blocks x two row blocks: tmm0-3 accumulate, tmm4-5 hold W, tmm6-7 x. */
+static void pass_2x2(const uint16_t* w0, const uint16_t* w1, const uint32_t* x0, const uint32_t* x1,
+                     int64_t k_blocks, int64_t stride, float c[4][256]) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kb = 0; kb < k_blocks; ++kb) {
+    _tile_loadd(4, w0 + kb * 32, stride);
+    _tile_loadd(5, w1 + kb * 32, stride);
+    _tile_loadd(6, x0 + kb * 256, 64);
+    _tile_loadd(7, x1 + kb * 256, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 5, 6);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c[0], 64);
+  _tile_stored(1, c[1], 64);
+  _tile_stored(2, c[2], 64);
+  _tile_stored(3, c[3], 64);
+}
+
+/* Two feature blocks x the last, single row block. */
+static void pass_2x1(const uint16_t* w0, const uint16_t* w1, const uint32_t* x0, int64_t k_blocks, int64_t stride,
+                     float c[4][256]) {
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int64_t kb = 0; kb < k_blocks; ++kb) {
+    _tile_loadd(4, w0 + kb * 32, stride);
+    _tile_loadd(5, w1 + kb * 32, stride);
+    _tile_loadd(6, x0 + kb * 256, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 5, 6);
+  }
+  _tile_stored(0, c[0], 64);
+  _tile_stored(1, c[1], 64);
+}
+
+static void gemm_tiles(const uint16_t* w, const uint32_t* xb, const uint16_t* bias, const uint16_t* residual,
+                       uint16_t* out, int64_t M, int64_t N, int64_t K, int64_t m_blocks, int threads) {
+  const int64_t k_blocks = K / 32, n_pairs = N / 32, stride = K * 2;
+#pragma omp parallel num_threads(threads)
+  {
+    configure_tiles();
+    float c[4][256] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+    for (int64_t np = 0; np < n_pairs; ++np) {
+      const int64_t n0 = np * 32;
+      const uint16_t* w0 = w + n0 * K;
+      for (int64_t mb = 0; mb < m_blocks; mb += 2) {
+        const uint32_t* x0 = xb + mb * k_blocks * 256;
+        if (mb + 1 < m_blocks) {
+          pass_2x2(w0, w0 + 16 * K, x0, x0 + k_blocks * 256, k_blocks, stride, c);
+          write_tile(c[2], n0, (mb + 1) * 16, M, N, bias, residual, out);
+          write_tile(c[3], n0 + 16, (mb + 1) * 16, M, N, bias, residual, out);
+        } else {
+          pass_2x1(w0, w0 + 16 * K, x0, k_blocks, stride, c);
+        }
+        write_tile(c[0], n0, mb * 16, M, N, bias, residual, out);
+        write_tile(c[1], n0 + 16, mb * 16, M, N, bias, residual, out);
+      }
+    }
+    _tile_release();
+  }
+}
+
+/* out = x @ w.T (+ bias) (+ residual), all bf16, rounded as xl_linear_bf16 rounds;
+ * K % 32 == 0, N % 32 == 0. */
+void xl_linear_amx(const uint16_t* x, const uint16_t* w, const void* bias, const void* residual, void* out,
+                   int64_t M, int64_t N, int64_t K, int threads) {
+  const int64_t m_blocks = (M + 15) / 16;
+  uint32_t* xb = pair_interleave(x, M, K, m_blocks);
+  gemm_tiles(w, xb, bias, residual, out, M, N, K, m_blocks, threads);
+  free(xb);
+}
+
+#else
+int xl_amx_ready(void) { return 0; }
+
+void xl_linear_amx(const uint16_t* x, const uint16_t* w, const void* bias, const void* residual, void* out,
+                   int64_t M, int64_t N, int64_t K, int threads) {
+  (void)x, (void)w, (void)bias, (void)residual, (void)out, (void)M, (void)N, (void)K, (void)threads;
+}
+#endif
