@@ -163,3 +163,17 @@ def test_bfloat16_matches_float32_greedy_mostly(tiny_llama_dir):
     a = LLM(tiny_llama_dir, dtype="float32", kv_cache_tokens=512).generate(prompt, params)[0]
     b = LLM(tiny_llama_dir, dtype="bfloat16", kv_cache_tokens=512).generate(prompt, params)[0]
     assert a.outputs[0].token_ids[:2] == b.outputs[0].token_ids[:2]
+
+
+def test_serving_path_stays_off_torch_compile_machinery(tiny_llama_dir):
+    """Loading a model and running a step imports neither torch._dynamo nor sympy: together
+    they add over a second of cold start and tens of MiB of memory."""
+    import subprocess
+    import sys
+    code = ("import sys; from xlserve import LLM, SamplingParams; "
+            f"LLM({tiny_llama_dir!r}, dtype='bfloat16').generate([list(range(5, 60))], "
+            "SamplingParams(max_tokens=3, temperature=0)); "
+            "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -179,6 +179,8 @@ def amx_ready() -> bool:
 def linear_amx(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias) (+ residual)`` on AMX tiles, the weight read in place."""
+    if not amx_ready():  # the tiles fault (SIGILL) until the OS grants them to the process
+        raise ValueError("AMX is unavailable in this process (CPU, kernel or build)")
     x = x.contiguous()
     n, k = weight.shape
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)

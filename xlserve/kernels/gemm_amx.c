@@ -115,7 +115,8 @@ static void pass_2x2(const uint16_t* w0, const uint16_t* w1, const uint32_t* x0,
   _tile_stored(3, c[3], 64);
 }
 
-/* Two feature blocks x the last, single row block. */
+/* Two feature blocks x the last, single row block (tile registers are immediates in the
+ * instructions, so each shape of pass is spelled out). */
 static void pass_2x1(const uint16_t* w0, const uint16_t* w1, const uint32_t* x0, int64_t k_blocks, int64_t stride,
                      float c[4][256]) {
   _tile_zero(0);

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from xlserve.kernels import cpu_ops
 
@@ -103,7 +102,9 @@ def _attend_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     n, hq, d = q.shape
     if q.device.type != "cpu" or _CPU_FLASH is None:
         # one fused-attention call (flash on CUDA) with the causal mask aligned to the
-        # chunk's end; no mask is materialized
+        # chunk's end; no mask is materialized. Imported here: the module pulls in
+        # torch._dynamo (over a second and tens of MiB), which CPU serving never needs.
+        from torch.nn.attention.bias import causal_lower_right
         ctx = chunk.context_slots
         out = F.scaled_dot_product_attention(_heads_first(q), _heads_first(k_cache[ctx]), _heads_first(v_cache[ctx]),
                                              attn_mask=causal_lower_right(n, len(ctx)), enable_gqa=True)
