@@ -139,21 +139,47 @@ def test_dispatch_and_switch_back_to_eager():
         cpu_ops.set_enabled(True)
 
 
+def _decode(llm_dir, prompts, monkeypatch=None):
+    from xlserve import LLM, SamplingParams
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)
+    return [o.outputs[0] for o in LLM(llm_dir, dtype="bfloat16").generate(prompts, params)]
+
+
 @needs_kernels
 def test_one_call_decode_step_matches_eager(tiny_llama_dir, monkeypatch):
     """Decode steps of 1-4 bf16 rows run every layer in one C call; the tokens equal the
     eager torch path's."""
-    from xlserve import LLM, SamplingParams
     prompts = [list(range(5, 40)), list(range(60, 90)), list(range(100, 150))]  # no near-tie in bf16
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     calls = []
     real = cpu_ops.decode_layers_
     monkeypatch.setattr(cpu_ops, "decode_layers_", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    fused = [o.outputs[0].token_ids for o in LLM(tiny_llama_dir, dtype="bfloat16").generate(prompts, params)]
+    fused = [o.token_ids for o in _decode(tiny_llama_dir, prompts)]
     assert sorted(set(calls)) == [3]
     cpu_ops.set_enabled(False)
     try:
-        eager = [o.outputs[0].token_ids for o in LLM(tiny_llama_dir, dtype="bfloat16").generate(prompts, params)]
+        eager = [o.token_ids for o in _decode(tiny_llama_dir, prompts)]
     finally:
         cpu_ops.set_enabled(True)
     assert fused == eager
+
+
+@needs_amx
+def test_one_call_batched_decode_matches_per_layer_path(tiny_llama_dir, monkeypatch):
+    """Eight decode rows in one C call (AMX projections, vectorized SiLU) give the tokens and
+    logprobs of the per-layer path that calls the same matmul from Python. (Against eager
+    torch this tiny model's bf16 logits tie too often to compare tokens; the real model's
+    batched check is in tests/e2e/test_optimized_equals_eager.py.)"""
+    from xlserve.models import llama
+    prompts = [list(range(5 + 9 * i, 40 + 9 * i)) for i in range(8)]
+    calls = []
+    real = cpu_ops.decode_layers_
+    monkeypatch.setattr(cpu_ops, "decode_layers_", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    one_call = _decode(tiny_llama_dir, prompts)
+    assert sorted(set(calls)) == [8]
+    whole = llama.DecoderLayer.whole_layer_kernel
+    monkeypatch.setattr(llama.DecoderLayer, "whole_layer_kernel",
+                        lambda self, x: x.shape[0] <= cpu_ops.LINEAR_MAX_ROWS and whole(self, x))
+    per_layer = _decode(tiny_llama_dir, prompts)
+    assert [o.token_ids for o in one_call] == [o.token_ids for o in per_layer]
+    for a, b in zip(one_call, per_layer):
+        assert max(abs(x["logprob"] - y["logprob"]) for x, y in zip(a.logprobs, b.logprobs)) < 0.05

@@ -23,9 +23,9 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(n) for n in ("gemv_bf16.c", "gemm_amx.c", "decode_ops.c", "decode_attention.c",
                                                  "decode_layer.c")]
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp", "-shared", "-fPIC"]
-LINEAR_MAX_ROWS = 4  # beyond this, oneDNN's GEMM (AMX where present) beats a pass per row block
+LINEAR_MAX_ROWS = 4  # beyond this, a matmul on AMX tiles (or oneDNN's GEMM) beats a pass per row block
 MAX_ROWS = 64  # decode batches up to this size take the fused path (norm, rope, attention)
-AMX_MAX_ROWS = 64  # up to this many rows our AMX matmul beats oneDNN's (which reorders the weight per call)
+AMX_MAX_ROWS = MAX_ROWS  # up to this many rows our AMX matmul beats oneDNN's (which reorders the weight per call)
 MAX_HEAD_DIM = 1024
 
 _lock = threading.Lock()
@@ -88,8 +88,8 @@ def _build() -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("no C compiler found: the decode step uses the slower torch path")
         return None
-    header = Path(__file__).with_name("bf16.h")
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in [*SOURCES, header]) + " ".join(cflags).encode())
+    headers = sorted(Path(__file__).parent.glob("*.h"))
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in [*SOURCES, *headers]) + " ".join(cflags).encode())
     target = _cache_dir() / f"xlserve_cpu_{digest.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -162,9 +162,14 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def use_amx(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """The AMX matmul applies: bf16 activations and weight, more rows than the row kernel
     takes and at most AMX_MAX_ROWS, K and N multiples of 32, AMX usable in this process."""
-    n, k = weight.shape
-    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and n % 32 == 0 and k % 32 == 0
+    k = weight.shape[1]
+    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and amx_shapes(weight)
             and LINEAR_MAX_ROWS < x.numel() // k <= AMX_MAX_ROWS and usable(weight, x) and amx_ready())
+
+
+def amx_shapes(*weights: torch.Tensor) -> bool:
+    """Every weight fits the AMX kernel's blocking (both dimensions multiples of 32)."""
+    return all(w.shape[0] % 32 == 0 and w.shape[1] % 32 == 0 for w in weights)
 
 
 def amx_ready() -> bool:
@@ -233,8 +238,8 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
 def decode_layers_(x: torch.Tensor, table: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int,
                    head_dim: int, intermediate: int, cos: torch.Tensor, sin: torch.Tensor, new_slots: torch.Tensor,
                    slots: torch.Tensor, lens: torch.Tensor) -> None:
-    """Every Llama-style decoder layer on ``x`` [B, H] in place (B <= LINEAR_MAX_ROWS, bf16
-    weights): ``table`` [layers, LAYER_POINTERS] int64 holds each layer's weight and KV-cache
+    """Every Llama-style decoder layer on ``x`` [B, H] in place (bf16 weights; B within
+    ``DecoderLayer.whole_layer_kernel``'s rule): ``table`` [layers, LAYER_POINTERS] int64 holds each layer's weight and KV-cache
     addresses; cos/sin [B, D]; the new K/V go to ``new_slots``, attention reads ``slots``."""
     b, h = x.shape
     kernels().xl_decode_layers(

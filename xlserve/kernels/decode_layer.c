@@ -1,4 +1,4 @@
-/* A whole decoder layer for a decode step of a few sequences, in one call.
+/* A whole decoder layer for a decode step of up to 64 sequences, in one call.
  *
  * The per-op kernels already move the bytes at memory speed; what remained was Python
  * between them (about a dozen calls per layer, 30 layers per token). This chains the
@@ -19,6 +19,19 @@ void xl_decode_attention(const void* q, const void* k_new, const void* v_new, in
                          int64_t L, float scale, int bf16, int threads);
 void xl_linear_bf16(const void* x, const uint16_t* w, const void* bias, const void* residual, void* out,
                     int64_t M, int64_t N, int64_t K, int bf16, int threads);
+void xl_linear_amx(const uint16_t* x, const uint16_t* w, const void* bias, const void* residual, void* out,
+                   int64_t M, int64_t N, int64_t K, int threads);
+int xl_amx_ready(void);
+
+/* A projection of B rows: the row kernel for a few rows, AMX tiles for more where they
+ * apply (cpu_ops.use_amx is the same rule), else the row kernel in row blocks. */
+static void project(const void* x, const uint16_t* w, const void* bias, const void* residual, void* out, int64_t B,
+                    int64_t N, int64_t K, int bf16, int threads) {
+  if (B > 4 && bf16 && N % 32 == 0 && K % 32 == 0 && xl_amx_ready())
+    xl_linear_amx((const uint16_t*)x, w, bias, residual, out, B, N, K, threads);
+  else
+    xl_linear_bf16(x, w, bias, residual, out, B, N, K, bf16, threads);
+}
 
 /* x: [B, H] hidden states, updated in place. Weights bf16, [out, in]; norms and the
  * optional QKV bias in the activation dtype. cos/sin: [B, D]. */
@@ -36,15 +49,15 @@ void xl_decode_layer(void* x, int64_t B, int64_t H, const void* ln1, const void*
   char* x2 = malloc(B * H * es);
 
   xl_rmsnorm(x, ln1, h, B, H, eps, bf16);
-  xl_linear_bf16(h, w_qkv, b_qkv, NULL, qkv, B, row, H, bf16, threads);
+  project(h, w_qkv, b_qkv, NULL, qkv, B, row, H, bf16, threads);
   xl_rope(qkv, cs, sn, B, row, Hq, Hk, D, bf16);
   xl_decode_attention(qkv, qkv + Hq * D * es, qkv + (Hq + Hk) * D * es, row, new_slots, kc, vc, slots, lens,
                       attn, B, Hq, Hk, D, L, scale, bf16, threads);
-  xl_linear_bf16(attn, w_o, NULL, x, x2, B, H, Hq * D, bf16, threads);
+  project(attn, w_o, NULL, x, x2, B, H, Hq * D, bf16, threads);
   xl_rmsnorm(x2, ln2, h, B, H, eps, bf16);
-  xl_linear_bf16(h, w_gate_up, NULL, NULL, gate_up, B, 2 * I, H, bf16, threads);
+  project(h, w_gate_up, NULL, NULL, gate_up, B, 2 * I, H, bf16, threads);
   xl_silu_mul(gate_up, act, B, I, bf16);
-  xl_linear_bf16(act, w_down, NULL, x2, x, B, H, I, bf16, threads);
+  project(act, w_down, NULL, x2, x, B, H, I, bf16, threads);
 
   free(h);
   free(qkv);

@@ -89,8 +89,14 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def whole_layer_kernel(self, x: torch.Tensor) -> bool:
-        """The decode-layer kernel applies: no QK norm, bf16 weights, few rows, CPU."""
-        return self.self_attn.q_norm is None and cpu_ops.use_linear(x, self.self_attn.qkv_proj.weight)
+        """The decode-layer kernel applies: CPU, no QK norm, bf16 weights, and 1-4 rows (the
+        row kernel) or up to ``cpu_ops.MAX_ROWS`` where every projection fits AMX."""
+        attn, mlp = self.self_attn, self.mlp
+        if attn.q_norm is not None:
+            return False
+        return cpu_ops.use_linear(x, attn.qkv_proj.weight) or (
+            cpu_ops.use_amx(x, attn.qkv_proj.weight)
+            and cpu_ops.amx_shapes(attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight))
 
     def kernel_addresses(self) -> list[int]:
         """This layer's weight and KV-cache addresses in ``cpu_ops.decode_layers_``'s order."""
@@ -134,8 +140,8 @@ class DecoderModel(nn.Module):
         return self.norm(x)
 
     def _decode_in_one_call(self, cos_sin, x, meta):
-        """Every layer of a few-row decode step in one C call: the per-layer kernel chained
-        in C, so Python runs once per step instead of once per layer."""
+        """Every layer of a decode step in one C call: the per-layer kernel chained in C, so
+        Python runs once per step instead of once per layer."""
         if self.layer_addresses is None:
             self.layer_addresses = torch.tensor([layer.kernel_addresses() for layer in self.layers],
                                                 dtype=torch.int64)
