@@ -183,3 +183,14 @@ def test_one_call_batched_decode_matches_per_layer_path(tiny_llama_dir, monkeypa
     assert [o.token_ids for o in one_call] == [o.token_ids for o in per_layer]
     for a, b in zip(one_call, per_layer):
         assert max(abs(x["logprob"] - y["logprob"]) for x, y in zip(a.logprobs, b.logprobs)) < 0.05
+
+
+@needs_kernels
+def test_build_falls_back_to_fewer_instruction_sets(monkeypatch, tmp_path):
+    """A compiler that refuses the first flag set (an instruction set newer than it) still
+    yields the library from the next one."""
+    monkeypatch.setenv("XLSERVE_CACHE_DIR", str(tmp_path))
+    good = cpu_ops._cflag_sets()[-1]
+    monkeypatch.setattr(cpu_ops, "_cflag_sets", lambda: [good + ["-mno-such-instruction-set"], good])
+    lib = cpu_ops._build()
+    assert lib is not None and len(list(tmp_path.rglob("*.so"))) == 1

@@ -71,41 +71,56 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def _cflags() -> list[str]:
+def _cflag_sets() -> list[list[str]]:
+    """Flags to try in order: with every instruction set this CPU has, then without AMX
+    (a compiler older than the CPU may not know it; the AMX kernel then reports itself
+    unavailable and the rest still builds)."""
     flags, have = list(CFLAGS), cpu_flags()
     if "avx512_bf16" in have:
         flags += ["-mavx512bf16", "-DXL_HAVE_BF16_DOT"]
     if {"amx_tile", "amx_bf16", "avx512_bf16"} <= have:
-        flags += ["-mamx-tile", "-mamx-bf16", "-DXL_HAVE_AMX"]
-    return flags
+        return [flags + ["-mamx-tile", "-mamx-bf16", "-DXL_HAVE_AMX"], flags]
+    return [flags]
 
 
 def _build() -> ctypes.CDLL | None:
     if "AVX512" not in torch.backends.cpu.get_cpu_capability():
         return None
-    cflags = _cflags()
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler found: the decode step uses the slower torch path")
         return None
-    headers = sorted(Path(__file__).parent.glob("*.h"))
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in [*SOURCES, *headers]) + " ".join(cflags).encode())
-    target = _cache_dir() / f"xlserve_cpu_{digest.hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_suffix(f".{os.getpid()}.tmp")
-        result = subprocess.run([compiler, *cflags, *map(str, SOURCES), "-lm", "-o", str(tmp)],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            log.warning("building the CPU kernels failed, using torch: %s", result.stderr[-500:])
-            return None
-        os.replace(tmp, target)  # atomic: concurrent builders never see half a file
+    target = None
+    for cflags in _cflag_sets():
+        target = _compiled(compiler, cflags)
+        if target is not None:
+            break
+    if target is None:
+        return None
     lib = ctypes.CDLL(str(target))
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
     lib.xl_amx_ready.restype = ctypes.c_int
     return lib
+
+
+def _compiled(compiler: str, cflags: list[str]) -> Path | None:
+    """The library built with ``cflags``, from the cache or compiled now; None if it fails."""
+    headers = sorted(Path(__file__).parent.glob("*.h"))
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in [*SOURCES, *headers]) + " ".join(cflags).encode())
+    target = _cache_dir() / f"xlserve_cpu_{digest.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(f".{os.getpid()}.tmp")
+    result = subprocess.run([compiler, *cflags, *map(str, SOURCES), "-lm", "-o", str(tmp)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        log.warning("building the CPU kernels with %s failed: %s", " ".join(cflags[-3:]), result.stderr[-500:])
+        return None
+    os.replace(tmp, target)  # atomic: concurrent builders never see half a file
+    return target
 
 
 def kernels() -> ctypes.CDLL | None:
@@ -239,8 +254,9 @@ def decode_layers_(x: torch.Tensor, table: torch.Tensor, eps: float, num_heads: 
                    head_dim: int, intermediate: int, cos: torch.Tensor, sin: torch.Tensor, new_slots: torch.Tensor,
                    slots: torch.Tensor, lens: torch.Tensor) -> None:
     """Every Llama-style decoder layer on ``x`` [B, H] in place (bf16 weights; B within
-    ``DecoderLayer.whole_layer_kernel``'s rule): ``table`` [layers, LAYER_POINTERS] int64 holds each layer's weight and KV-cache
-    addresses; cos/sin [B, D]; the new K/V go to ``new_slots``, attention reads ``slots``."""
+    ``DecoderLayer.whole_layer_kernel``'s rule): ``table`` [layers, LAYER_POINTERS] int64
+    holds each layer's weight and KV-cache addresses; cos/sin [B, D]; the new K/V go to
+    ``new_slots``, attention reads ``slots``."""
     b, h = x.shape
     kernels().xl_decode_layers(
         x.data_ptr(), b, h, table.shape[0], table.data_ptr(), eps, num_heads, num_kv_heads, head_dim, intermediate,
