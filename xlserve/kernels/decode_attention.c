@@ -46,23 +46,34 @@ static inline __m512 reduce16(const __m512 v[KEYS]) {
   return _mm512_permutexvar_ps(order, s);
 }
 
+/* Cache offsets of keys j0 .. j0 + 15 of one kv head; a short last block (m < 16 keys)
+ * repeats its last key, whose extra lanes store_scores drops. */
+static inline void key_offsets(const int64_t* slots, int64_t j0, int64_t m, int64_t Hk, int64_t kh, int64_t D,
+                               int64_t base[KEYS]) {
+  for (int j = 0; j < KEYS; ++j) base[j] = (slots[j0 + (j < m ? j : m - 1)] * Hk + kh) * D;
+}
+
+/* scores[j0 .. j0 + m) = scale * the lane sums of the sixteen accumulators. */
+static inline void store_scores(const __m512 acc[KEYS], float scale, int64_t m, float* scores) {
+  const __m512 s = _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale));
+  _mm512_mask_storeu_ps(scores, (__mmask16)((1u << m) - 1u), s);
+}
+
 /* scores[j] = scale * q . K[slot j] for the n keys of one kv head (D % 16 == 0). Loops
- * have constant bounds so the sixteen accumulators live in registers; a short last block
- * repeats its last key and drops the extra lanes. */
+ * have constant bounds so the sixteen accumulators live in registers. */
 static void scores_of(const float* q, const void* kc, const int64_t* slots, int64_t n, int64_t Hk, int64_t kh,
                       int64_t D, float scale, int bf16, float* scores) {
   for (int64_t j0 = 0; j0 < n; j0 += KEYS) {
     const int64_t m = n - j0 < KEYS ? n - j0 : KEYS;
     int64_t base[KEYS];
-    for (int j = 0; j < KEYS; ++j) base[j] = (slots[j0 + (j < m ? j : m - 1)] * Hk + kh) * D;
+    key_offsets(slots, j0, m, Hk, kh, D, base);
     __m512 acc[KEYS];
     for (int j = 0; j < KEYS; ++j) acc[j] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 16) {
       const __m512 qv = _mm512_loadu_ps(q + d);
       for (int j = 0; j < KEYS; ++j) acc[j] = _mm512_fmadd_ps(qv, load16(kc, base[j] + d, bf16), acc[j]);
     }
-    const __m512 s = _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale));
-    _mm512_mask_storeu_ps(scores + j0, (__mmask16)((1u << m) - 1u), s);
+    store_scores(acc, scale, m, scores + j0);
   }
 }
 
@@ -75,7 +86,7 @@ static void scores_of_bf16(const uint16_t* q, const uint16_t* kc, const int64_t*
   for (int64_t j0 = 0; j0 < n; j0 += KEYS) {
     const int64_t m = n - j0 < KEYS ? n - j0 : KEYS;
     int64_t base[KEYS];
-    for (int j = 0; j < KEYS; ++j) base[j] = (slots[j0 + (j < m ? j : m - 1)] * Hk + kh) * D;
+    key_offsets(slots, j0, m, Hk, kh, D, base);
     __m512 acc[KEYS];
     for (int j = 0; j < KEYS; ++j) acc[j] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 32) {
@@ -84,8 +95,7 @@ static void scores_of_bf16(const uint16_t* q, const uint16_t* kc, const int64_t*
       for (int j = 0; j < KEYS; ++j)
         acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_maskz_loadu_epi16(k, kc + base[j] + d));
     }
-    const __m512 s = _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale));
-    _mm512_mask_storeu_ps(scores + j0, (__mmask16)((1u << m) - 1u), s);
+    store_scores(acc, scale, m, scores + j0);
   }
 }
 #endif
