@@ -28,24 +28,6 @@ static inline __m512 load16(const void* p, int64_t i, int bf16) {
   return _mm512_loadu_ps((const float*)p + i);
 }
 
-/* out[j] = sum of the lanes of v[j], for sixteen vectors. The tree leaves lane 4k+m holding
- * v[4m+k]; the last permute puts each sum in its place. */
-static inline __m512 reduce16(const __m512 v[KEYS]) {
-  __m512 t[8], u[4];
-  for (int i = 0; i < 8; ++i)
-    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)
-    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
-  const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
-  const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
-  const __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b))),
-                                 _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b))));
-  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
-  return _mm512_permutexvar_ps(order, s);
-}
-
 /* Cache offsets of keys j0 .. j0 + 15 of one kv head; a short last block (m < 16 keys)
  * repeats its last key, whose extra lanes store_scores drops. */
 static inline void key_offsets(const int64_t* slots, int64_t j0, int64_t m, int64_t Hk, int64_t kh, int64_t D,

@@ -76,6 +76,7 @@ void xl_gemv_bf16(const float* x, const uint16_t* w, float* out, int64_t M, int6
 #include <string.h>
 
 #include "bf16.h"
+#include "vec_math.h"
 
 void xl_linear_epilogue(float* of, const void* bias, const void* residual, void* out, int64_t M, int64_t N,
                         int bf16);
@@ -86,6 +87,16 @@ void xl_linear_epilogue(float* of, const void* bias, const void* residual, void*
 static inline __m512i load_pairs(const uint16_t* p, int64_t remaining) {
   if (remaining >= 32) return _mm512_loadu_si512((const void*)p);
   return _mm512_maskz_loadu_epi16((__mmask32)((1ull << remaining) - 1ull), p);
+}
+
+/* sums[i] = the lane sum of v[i]: sixteen at once by a shuffle tree (a quarter of the
+ * shuffles of sixteen separate horizontal sums), fewer one by one. */
+static inline void lane_sums(const __m512* v, int n, float* sums) {
+  if (n == 16) {
+    _mm512_storeu_ps(sums, reduce16(v));
+    return;
+  }
+  for (int i = 0; i < n; ++i) sums[i] = _mm512_reduce_add_ps(v[i]);
 }
 
 #define BLOCK_DOTBF(R, MR)                                                                   \
@@ -103,8 +114,10 @@ static inline __m512i load_pairs(const uint16_t* p, int64_t remaining) {
         for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xv[m]);     \
       }                                                                                      \
     }                                                                                        \
+    float sums[R * MR];                                                                      \
+    lane_sums(&acc[0][0], R * MR, sums);                                                     \
     for (int r = 0; r < R; ++r)                                                              \
-      for (int m = 0; m < MR; ++m) out[m * N + r] = _mm512_reduce_add_ps(acc[r][m]);         \
+      for (int m = 0; m < MR; ++m) out[m * N + r] = sums[r * MR + m];                        \
   }
 
 /* 8 rows x 2 activation rows = 16 accumulators: more would spill the 32 zmm registers. */
