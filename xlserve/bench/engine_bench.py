@@ -116,6 +116,12 @@ def derive(result: dict) -> dict:
     return result
 
 
+def _shown(path: str) -> str:
+    """A path for the results file: under the home directory as ``~/...`` (results are shared)."""
+    home = os.path.expanduser("~")
+    return "~" + path[len(home):] if path.startswith(home + os.sep) else path
+
+
 def run_bench(opts: BenchOptions) -> dict:
     from xlserve.bench.bf16_gguf import cached_bf16_gguf
     from xlserve.loader.model_loader import load_tokenizer
@@ -129,7 +135,7 @@ def run_bench(opts: BenchOptions) -> dict:
         weights, files = source.path, SafetensorsDir(source.path).weight_files()
     tokenizer = load_tokenizer(opts.model)
     workload = build_workload(tokenizer, opts.repeats)
-    results = {"options": vars(opts) | {"systems": list(opts.systems)}, "weights": weights,
+    results = {"options": vars(opts) | {"systems": list(opts.systems)}, "weights": _shown(weights),
                "weight_file_read_s": file_read_seconds(files), "skipped": {}, "systems": {}}
     bar = tqdm(opts.systems, desc="bench engine", unit="system")
     for system in bar:
