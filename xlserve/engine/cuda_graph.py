@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from xlserve.layers.attention import AttentionMetadata, additive_mask, padded_with_new_slot
+from xlserve.layers.attention import AttentionMetadata, additive_mask, block_table, decode_context
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MIN_CONTEXT = 256
@@ -46,13 +46,9 @@ class DecodeGraphs:
         if key not in self.graphs:
             self.graphs[key] = self._capture(*key)
         graph, inputs, out = self.graphs[key]
-        width = key[1] // self.block_size
-        table = torch.full((key[0], width), self.scratch_block, dtype=torch.int64)
-        for i, blocks in enumerate(block_tables):
-            used = blocks[:width]
-            table[i, :len(used)] = torch.tensor(used, dtype=torch.int64)
         host = {"ids": _padded(ids, key[0], 0), "positions": _padded(positions, key[0], 0),
-                "lens": _padded(lens, key[0], 1), "table": table}
+                "lens": _padded(lens, key[0], 1),
+                "table": block_table(block_tables, key[0], key[1] // self.block_size, self.scratch_block)}
         for name, value in host.items():
             inputs[name].copy_(value, non_blocking=False)
         graph.replay()
@@ -67,11 +63,7 @@ class DecodeGraphs:
 
     def _forward(self, inputs: dict[str, torch.Tensor], context: int) -> torch.Tensor:
         batch = inputs["ids"].shape[0]
-        pos = torch.arange(context, device=self.device)
-        slots = inputs["table"][:, pos // self.block_size] * self.block_size + pos % self.block_size
-        real = pos.unsqueeze(0) < inputs["lens"].unsqueeze(1)
-        new_slots = slots.gather(1, (inputs["lens"] - 1).unsqueeze(1)).squeeze(1)
-        slots = padded_with_new_slot(slots, real, new_slots)
+        slots, real, new_slots = decode_context(inputs["table"], inputs["lens"], context, self.block_size)
         dtype = self.model.model.embed_tokens.weight.dtype
         meta = AttentionMetadata(slot_mapping=new_slots, decode_rows=torch.arange(batch, device=self.device),
                                  decode_slots=slots, decode_lens=inputs["lens"], decode_new_slots=new_slots,

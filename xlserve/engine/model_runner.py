@@ -15,7 +15,7 @@ from xlserve.engine.guided import GuidedDecoding
 from xlserve.kernels import cpu_ops
 from xlserve.engine.sampler import Sampler
 from xlserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from xlserve.layers.attention import AttentionMetadata, PrefillChunk, additive_mask, padded_with_new_slot
+from xlserve.layers.attention import AttentionMetadata, PrefillChunk, additive_mask, block_table, decode_context
 from xlserve.loader.model_loader import LoadedModel
 
 
@@ -101,14 +101,8 @@ class ModelRunner:
         """Context slots of every one-token sequence from one padded block table, in one gather."""
         lens = torch.tensor([s.start_position + 1 for _, s in decode])
         longest = int(lens.max())
-        table = torch.zeros(len(decode), -(-longest // self.block_size), dtype=torch.long)
-        for i, (_, s) in enumerate(decode):
-            table[i, :len(s.block_ids)] = torch.tensor(s.block_ids[:table.shape[1]])
-        pos = torch.arange(longest)
-        slots = table[:, pos // self.block_size] * self.block_size + pos % self.block_size
-        real = pos.unsqueeze(0) < lens.unsqueeze(1)
-        meta.decode_new_slots = slots[torch.arange(len(decode)), lens - 1]
-        slots = padded_with_new_slot(slots, real, meta.decode_new_slots)
+        table = block_table([s.block_ids for _, s in decode], len(decode), -(-longest // self.block_size), 0)
+        slots, real, meta.decode_new_slots = decode_context(table, lens, longest, self.block_size)
         meta.decode_rows = torch.tensor([r for r, _ in decode], device=self.device)
         meta.decode_lens = lens.to(self.device)
         meta.fused_decode = meta.cpu_kernels and decode_only and len(decode) <= cpu_ops.MAX_ROWS

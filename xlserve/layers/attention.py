@@ -24,11 +24,29 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
-def padded_with_new_slot(slots: torch.Tensor, real: torch.Tensor, new_slots: torch.Tensor) -> torch.Tensor:
-    """Padded context slots [B, L] with each row's padding pointed at its own new slot. A
-    masked key still has its value multiplied by a zero weight, and 0 x NaN is NaN: padding
-    must read a slot written this step, never memory that may hold any bit pattern."""
-    return torch.where(real, slots, new_slots.unsqueeze(1))
+def block_table(block_ids: list[list[int]], rows: int, width: int, fill: int) -> torch.Tensor:
+    """[rows, width] block ids: row i holds sequence i's first ``width`` blocks, the rest of
+    the table is ``fill``."""
+    table = torch.full((rows, width), fill, dtype=torch.long)
+    for i, blocks in enumerate(block_ids):
+        used = blocks[:width]
+        table[i, :len(used)] = torch.tensor(used, dtype=torch.long)
+    return table
+
+
+def decode_context(table: torch.Tensor, lens: torch.Tensor, context: int,
+                   block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The context of one-token sequences from their block table [B, >= context/block_size]
+    and context lengths [B] (new token included): slots [B, context], ``real`` [B, context]
+    (the positions below each length) and each row's new slot [B]. Padding points at the
+    row's own new slot: a masked key still has its value multiplied by a zero weight, and
+    0 x NaN is NaN, so padding must read a slot written this step, never memory that may
+    hold any bit pattern."""
+    pos = torch.arange(context, device=table.device)
+    slots = table[:, pos // block_size] * block_size + pos % block_size
+    real = pos.unsqueeze(0) < lens.unsqueeze(1)
+    new_slots = slots.gather(1, (lens - 1).unsqueeze(1)).squeeze(1)
+    return torch.where(real, slots, new_slots.unsqueeze(1)), real, new_slots
 
 
 @dataclass
