@@ -21,10 +21,7 @@
 #define MAX_GROUP 64
 
 static inline __m512 load16(const void* p, int64_t i, int bf16) {
-  if (bf16) {
-    __m256i raw = _mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-  }
+  if (bf16) return widen_bf16(_mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i)));
   return _mm512_loadu_ps((const float*)p + i);
 }
 

@@ -88,10 +88,6 @@ void xl_rope(void* qkv, const void* cs, const void* sn, int64_t T, int64_t row, 
 }
 
 #ifdef XL_HAVE_BF16_DOT
-static inline __m512 widen_bf16(__m256i raw) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
 /* bf16 rows, 16 lanes at a time: the same two roundings as the scalar loop, exp16 for expf. */
 static void silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t T, int64_t I) {
   for (int64_t t = 0; t < T; ++t) {
@@ -101,8 +97,8 @@ static void silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t T, int
       const __m512 g = widen_bf16(_mm256_maskz_loadu_epi16(m, g_row + i));
       const __m512 u = widen_bf16(_mm256_maskz_loadu_epi16(m, g_row + I + i));
       const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-      const __m512 s = widen_bf16((__m256i)_mm512_cvtneps_pbh(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e))));
-      _mm256_mask_storeu_epi16(out + t * I + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, u)));
+      const __m512 s = widen_bf16(round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e))));
+      _mm256_mask_storeu_epi16(out + t * I + i, m, round_bf16(_mm512_mul_ps(s, u)));
     }
   }
 }

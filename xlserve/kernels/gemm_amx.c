@@ -21,6 +21,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "vec_math.h"
+
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -68,11 +70,7 @@ static uint32_t* pair_interleave(const uint16_t* x, int64_t M, int64_t K, int64_
   return xb;
 }
 
-static inline __m512 widen16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
-static inline __m256i round16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+static inline __m512 widen16(const uint16_t* p) { return widen_bf16(_mm256_loadu_si256((const __m256i*)p)); }
 
 /* One C tile (16 features x 16 rows, fp32) -> out rows [m0, m0 + 16) x features [n0, n0 + 16)
  * in bf16: + bias, rounded; + residual, rounded again (xl_linear_bf16's rounding). The
@@ -85,10 +83,9 @@ static void write_tile(const float* c, int64_t n0, int64_t m0, int64_t M, int64_
   for (int64_t j = 0; j < 16 && m0 + j < M; ++j) {
     __m512 v = _mm512_add_ps(_mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32((int)j)), c, 4), b);
     if (residual) {
-      const __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round16(v)), 16));
-      v = _mm512_add_ps(rounded, widen16(residual + (m0 + j) * N + n0));
+      v = _mm512_add_ps(widen_bf16(round_bf16(v)), widen16(residual + (m0 + j) * N + n0));
     }
-    _mm256_storeu_si256((__m256i*)(out + (m0 + j) * N + n0), round16(v));
+    _mm256_storeu_si256((__m256i*)(out + (m0 + j) * N + n0), round_bf16(v));
   }
 }
 

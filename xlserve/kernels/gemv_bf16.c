@@ -10,15 +10,13 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "vec_math.h"
+
 #define ROW_BLOCK 8
 
-static inline __m512 widen(__m256i raw) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
 static inline __m512 load_w(const uint16_t* p, int64_t remaining) {
-  if (remaining >= 16) return widen(_mm256_loadu_si256((const __m256i*)p));
-  return widen(_mm256_maskz_loadu_epi16((__mmask16)((1u << remaining) - 1u), p));
+  if (remaining >= 16) return widen_bf16(_mm256_loadu_si256((const __m256i*)p));
+  return widen_bf16(_mm256_maskz_loadu_epi16((__mmask16)((1u << remaining) - 1u), p));
 }
 
 static inline __m512 load_x(const float* p, int64_t remaining) {
@@ -76,10 +74,6 @@ void xl_gemv_bf16(const float* x, const uint16_t* w, float* out, int64_t M, int6
 #include <string.h>
 
 #include "bf16.h"
-#include "vec_math.h"
-
-void xl_linear_epilogue(float* of, const void* bias, const void* residual, void* out, int64_t M, int64_t N,
-                        int bf16);
 
 #ifdef XL_HAVE_BF16_DOT
 /* bf16 activations on CPUs with AVX512-BF16: vdpbf16ps multiplies 32 bf16 pairs per
@@ -147,6 +141,24 @@ static void gemv_bf16_pairs(const uint16_t* x, const uint16_t* w, float* out, in
 }
 #endif
 
+/* fp32 products ``of`` [M, N] -> out: + bias, rounded to the dtype, + residual, rounded
+ * again (in place when out is fp32 and is ``of``). */
+static void linear_epilogue(float* of, const void* bias, const void* residual, void* out, int64_t M, int64_t N,
+                            int bf16) {
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n = 0; n < N; ++n) {
+      float v = of[m * N + n];
+      if (bias) v += bf16 ? bf16_to_f32(((const uint16_t*)bias)[n]) : ((const float*)bias)[n];
+      if (residual) {
+        if (bf16) v = bf16_to_f32(f32_to_bf16(v)) + bf16_to_f32(((const uint16_t*)residual)[m * N + n]);
+        else v += ((const float*)residual)[m * N + n];
+      }
+      if (bf16) ((uint16_t*)out)[m * N + n] = f32_to_bf16(v);
+      else of[m * N + n] = v;
+    }
+  }
+}
+
 /* out = x @ w.T (+ bias) (+ residual), x and out in bf16 or fp32, as eager torch computes
  * it: fp32 accumulation with the bias, rounded to the dtype; then the residual added and
  * rounded again. bias: [N], residual: [M, N], both in the activation dtype or NULL. */
@@ -166,24 +178,6 @@ void xl_linear_bf16(const void* x, const uint16_t* w, const void* bias, const vo
   }
   if (xf) xl_gemv_bf16(xf, w, of, M, N, K, threads);
   if (bf16 && xf) free(xf);
-  xl_linear_epilogue(of, bias, residual, out, M, N, bf16);
+  linear_epilogue(of, bias, residual, out, M, N, bf16);
   if (bf16) free(of);
-}
-
-/* fp32 products ``of`` [M, N] -> out: + bias, rounded to the dtype, + residual, rounded
- * again (in place when out is fp32 and is ``of``). */
-void xl_linear_epilogue(float* of, const void* bias, const void* residual, void* out, int64_t M, int64_t N,
-                        int bf16) {
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t n = 0; n < N; ++n) {
-      float v = of[m * N + n];
-      if (bias) v += bf16 ? bf16_to_f32(((const uint16_t*)bias)[n]) : ((const float*)bias)[n];
-      if (residual) {
-        if (bf16) v = bf16_to_f32(f32_to_bf16(v)) + bf16_to_f32(((const uint16_t*)residual)[m * N + n]);
-        else v += ((const float*)residual)[m * N + n];
-      }
-      if (bf16) ((uint16_t*)out)[m * N + n] = f32_to_bf16(v);
-      else of[m * N + n] = v;
-    }
-  }
 }

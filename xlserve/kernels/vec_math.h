@@ -1,7 +1,18 @@
-/* Vector math shared by the kernels (AVX-512, 16 fp32 lanes): exp and sixteen horizontal sums at once. */
+/* Vector math shared by the kernels (AVX-512, 16 fp32 lanes): bf16 conversions, exp and
+ * sixteen horizontal sums at once. */
 #ifndef XLSERVE_VEC_MATH_H
 #define XLSERVE_VEC_MATH_H
 #include <immintrin.h>
+
+/* 16 bf16 values (raw bits) -> fp32: a 16-bit shift, exact (bf16_to_f32 of bf16.h). */
+static inline __m512 widen_bf16(__m256i raw) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+#ifdef XL_HAVE_BF16_DOT
+/* 16 fp32 -> bf16 bits, rounded to nearest even (f32_to_bf16 of bf16.h). */
+static inline __m256i round_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+#endif
 
 /* exp(x) for 16 lanes: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6 polynomial
  * (relative error below 1e-6, as good as an fp32 softmax needs); inputs below -88 give ~0. */
