@@ -194,3 +194,13 @@ def test_build_falls_back_to_fewer_instruction_sets(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_ops, "_cflag_sets", lambda: [good + ["-mno-such-instruction-set"], good])
     lib = cpu_ops._build()
     assert lib is not None and len(list(tmp_path.rglob("*.so"))) == 1
+
+
+@needs_kernels
+def test_decode_layers_refuses_a_malformed_address_table():
+    x = torch.zeros(1, 64).bfloat16()
+    cos = sin = torch.zeros(1, 16).bfloat16()
+    idx = torch.zeros(1, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="address table"):
+        cpu_ops.decode_layers_(x, torch.zeros(2, cpu_ops.LAYER_POINTERS - 1, dtype=torch.int64), 1e-6, 4, 2, 16, 128,
+                               cos, sin, idx[0], idx, torch.ones(1, dtype=torch.long))

@@ -257,6 +257,10 @@ def decode_layers_(x: torch.Tensor, table: torch.Tensor, eps: float, num_heads: 
     ``DecoderLayer.whole_layer_kernel``'s rule): ``table`` [layers, LAYER_POINTERS] int64
     holds each layer's weight and KV-cache addresses; cos/sin [B, D]; the new K/V go to
     ``new_slots``, attention reads ``slots``."""
+    if table.dim() != 2 or table.shape[1] != LAYER_POINTERS or table.dtype != torch.int64:
+        # the C loop reads LAYER_POINTERS raw addresses per layer: any other table is a crash
+        raise ValueError(f"decode_layers_ needs an int64 [layers, {LAYER_POINTERS}] address table, "
+                         f"got {table.dtype} {tuple(table.shape)}")
     b, h = x.shape
     kernels().xl_decode_layers(
         x.data_ptr(), b, h, table.shape[0], table.data_ptr(), eps, num_heads, num_kv_heads, head_dim, intermediate,
