@@ -34,12 +34,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 PACKED = "_xlserve_prepacked"
 
 
+def prepack_unsupported(dtype: torch.dtype) -> str | None:
+    """Why oneDNN cannot prepack weights of ``dtype`` here, or None when it can."""
+    if not torch.backends.mkldnn.is_available():
+        return "prepacked weights need a torch build with oneDNN (mkldnn); this one has none"
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return ("prepacked bfloat16 weights need a CPU with AVX512BW/VL/DQ or AVX-NE-CONVERT; "
+                "this one has neither: use float32 or leave --prepack-weights off")
+    return None
+
+
 def prepack_linear_weights(model: nn.Module, rows_hint: int = 32) -> int:
     """Give the weight of every linear layer a oneDNN-prepacked twin (CPU): a matmul with a
     weight in oneDNN's own blocked layout skips the per-call reorder, which dominates for
     tens of rows. Costs one more copy of those weights. Returns how many were packed."""
-    if not torch.backends.mkldnn.is_available():
-        raise ValueError("prepacked weights need a torch build with oneDNN (mkldnn); this one has none")
+    why = prepack_unsupported(next(model.parameters()).dtype)
+    if why:
+        raise ValueError(why)
     count = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
