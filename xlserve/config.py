@@ -103,6 +103,28 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class SupervisorConfig:
+    """How ``xlserve serve`` keeps its workers alive."""
+    max_restarts: int = _opt(5, "Restarts allowed per worker within --restart-window; one more stops the "
+                             "whole stack with a non-zero exit.")
+    restart_window: float = _opt(600.0, "Seconds over which --max-restarts is counted.")
+    unhealthy_restart: float = _opt(10.0, "Seconds a started worker may fail its /health check (hung engine, "
+                                    "stopped process) before it is killed and restarted.")
+    startup_timeout: float = _opt(600.0, "Seconds a worker may take to load its model and answer /health.")
+    max_backoff: float = _opt(30.0, "Longest wait before a restart (waits double from 0 s per recent restart).")
+    check_interval: float = _opt(1.0, "Seconds between checks of every worker.")
+
+    def __post_init__(self):
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        for name in ("restart_window", "unhealthy_restart", "startup_timeout", "check_interval"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_backoff < 0:
+            raise ValueError(f"max_backoff must be >= 0, got {self.max_backoff}")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = _opt("127.0.0.1", "Address to bind. Loopback by default; use 0.0.0.0 only behind a firewall.")
     port: int = _opt(8000, "TCP port to listen on.")
@@ -120,6 +142,11 @@ class ServerConfig:
     kv_pull_timeout: float = _opt(10.0, "Seconds a decode worker waits for a KV pull.")
     kv_pull_failure: str = _opt("recompute", "When a KV pull fails: recompute the prefill here, or fail.",
                                 choices=("recompute", "fail"))
+    hang_timeout: float = _opt(60.0, "Seconds one engine step may run before /health reports the worker "
+                               "hung (503), so the router stops sending it work and `xlserve serve` "
+                               "restarts it.")
+    worker_timeout: float = _opt(60.0, "Router: seconds a worker may send nothing (no answer, no streamed "
+                                 "token) before the request fails over and the worker is marked down.")
     price_input: float = _opt(0.60, "Price per million uncached input tokens, reported in usage.cost.")
     price_cached_input: float = _opt(0.10, "Price per million cached input tokens (the cache discount).")
     price_output: float = _opt(3.00, "Price per million output tokens.")
@@ -131,5 +158,9 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if not 0 < self.kv_pin_seconds <= 600:
             raise ValueError(f"kv_pin_seconds must be in (0, 600], got {self.kv_pin_seconds}")
+        if not 0 < self.worker_timeout <= 3600:
+            raise ValueError(f"worker_timeout must be in (0, 3600], got {self.worker_timeout}")
+        if not 0 < self.hang_timeout <= 3600:
+            raise ValueError(f"hang_timeout must be in (0, 3600], got {self.hang_timeout}")
         if not 0 < self.kv_pull_timeout <= 600:
             raise ValueError(f"kv_pull_timeout must be in (0, 600], got {self.kv_pull_timeout}")

@@ -8,6 +8,16 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 GUIDED_KINDS = ("json_schema", "lark", "regex")
 MAX_GRAMMAR_CHARS = 64 * 1024
+# Numerically safe floors. Dividing float32 logits (|x| < ~1e3) by a temperature under
+# 1e-5 can overflow to inf and softmax to NaN: below it the draw is greedy, as in vLLM
+# (its _SAMPLING_EPS). A top_p under 1e-6 already keeps only the top token, so it is
+# raised to 1e-6 (a float32 cumulative sum rounds 1e-300 to 0, which dropped every token).
+# A repetition penalty under 0.01 divides positive logits by more than 100 and multiplies
+# negative ones towards 0: refused, like any value outside its range.
+MIN_TEMPERATURE = 1e-5
+MIN_TOP_P = 1e-6
+MIN_REPETITION_PENALTY = 0.01
+SEED_RANGE = (-(2**63), 2**64)
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,10 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
         self._validate()
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)  # greedy
+        if self.top_p < MIN_TOP_P:
+            object.__setattr__(self, "top_p", MIN_TOP_P)
 
     def _validate(self):
         def bad(what, allowed):
@@ -66,8 +80,11 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 bad(f"{name} must be in [-2, 2], got {getattr(self, name)}", "-2 .. 2")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            bad(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}", "0 < p <= 10")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10.0:
+            bad(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 10], got {self.repetition_penalty}",
+                f"{MIN_REPETITION_PENALTY} .. 10")
+        if self.seed is not None and not (isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+            bad(f"seed must be a 64-bit integer, got {self.seed!r}", "-2**63 <= seed < 2**64")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             bad(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", f"0 .. {MAX_LOGPROBS}")
         if len(self.stop) > MAX_STOP_STRINGS or any(not isinstance(s, str) or not s for s in self.stop):

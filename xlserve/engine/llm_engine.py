@@ -14,13 +14,14 @@ from typing import Sequence
 
 from xlserve.config import EngineConfig
 from xlserve.engine.detokenizer import Detokenizer
+from xlserve.engine.errors import FATAL_ERRORS, describe
 from xlserve.engine.guided import GuidedDecoding
 from xlserve.engine.kv_blocks import DTYPE_NAMES, KVBlockStore, KVLayout, KVPayload
 from xlserve.hashing import BlockHash, block_hashes
-from xlserve.engine.model_runner import ModelRunner
+from xlserve.engine.model_runner import ModelRunner, RunnerOutput
 from xlserve.engine.outputs import CompletionOutput, RequestOutput
 from xlserve.engine.request import FinishReason, HandOff, Request
-from xlserve.engine.scheduler import Scheduler
+from xlserve.engine.scheduler import Scheduler, SchedulerOutput
 from xlserve.loader.model_loader import LoadedModel, load_model
 from xlserve.loader.tokenizer import prompt_token_ids
 from xlserve.sampling_params import SamplingParams
@@ -52,6 +53,7 @@ class LLMEngine:
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else set()
         self._detokenizers: dict[str, Detokenizer | None] = {}
         self.num_steps = 0
+        self.num_failed_requests = 0
 
     # -- requests -----------------------------------------------------------------
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
@@ -85,12 +87,14 @@ class LLMEngine:
             self.guided.validate(params.guided)
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-                    handoff: HandOff | None = None) -> Request:
-        """Queue a request. ``handoff`` splits one answer over two workers (see ``HandOff``)."""
+                    handoff: HandOff | None = None, checked: bool = False) -> Request:
+        """Queue a request. ``handoff`` splits one answer over two workers (see ``HandOff``);
+        ``checked``: ``validate_request`` already passed (on another thread)."""
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.tokenize(prompt)
-        self.validate_request(ids, params, handoff)
+        if not checked:
+            self.validate_request(ids, params, handoff)
         request = Request(request_id, ids, params, self.eos_token_ids, self.block_size, self.extra_key, handoff)
         detok = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
                             params.skip_special_tokens) if self.tokenizer else None
@@ -115,17 +119,57 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine step. A failure that one request brings on ends that request (its
+        output carries ``error``); only ``FATAL_ERRORS`` and broken engine state raise."""
         if self.kv_store.pins:
             self.kv_store.expire_pins()
         sched_out = self.scheduler.schedule()
-        runner_out = self.runner.execute(sched_out)
+        runner_out = self._execute(sched_out)
+        outputs = [out for rid, why in runner_out.errors.items() if (out := self._fail(rid, why))]
         advanced = self.scheduler.update(sched_out, runner_out.sampled, runner_out.logprobs)
         self.num_steps += 1
-        outputs = []
         for req in advanced:
-            new_text = self._detokenize(req)
+            try:
+                new_text = self._detokenize(req)
+            except FATAL_ERRORS:
+                raise
+            except Exception as e:  # noqa: BLE001 - a tokenizer fault is this request's alone
+                outputs.append(self._fail(req.request_id, f"detokenizing failed: {describe(e)}"))
+                continue
             outputs.append(self._output(req, new_text, req.output_token_ids[-1:]))
         return outputs
+
+    def _execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
+        """Run the step; if the batch fails, run each request alone to find the ones that
+        fail (rewriting a chunk's KV slots is harmless: the step did not advance them)."""
+        try:
+            return self.runner.execute(sched_out)
+        except FATAL_ERRORS:
+            raise
+        except Exception as e:  # noqa: BLE001 - attributed below
+            scheduled = sched_out.scheduled
+            if len(scheduled) == 1:
+                log.warning("request %s failed in a step: %s", scheduled[0].request_id, describe(e))
+                return RunnerOutput(errors={scheduled[0].request_id: describe(e)})
+            log.warning("a step of %d requests failed (%s); running each alone", len(scheduled), describe(e))
+        merged = RunnerOutput()
+        for s in scheduled:
+            try:
+                merged.merge(self.runner.execute(SchedulerOutput([s], len(s.token_ids))))
+            except FATAL_ERRORS:
+                raise
+            except Exception as e:  # noqa: BLE001 - this request's own failure
+                log.warning("request %s failed in a step: %s", s.request_id, describe(e))
+                merged.errors[s.request_id] = describe(e)
+        return merged
+
+    def _fail(self, request_id: str, why: str) -> RequestOutput | None:
+        req = self.scheduler.finish(request_id, FinishReason.ERROR)
+        if req is None:
+            return None
+        req.error = why
+        self.num_failed_requests += 1
+        return self._output(req, "", [])
 
     def _detokenize(self, req: Request) -> str:
         detok = self._detokenizers.get(req.request_id)
@@ -149,7 +193,7 @@ class LLMEngine:
                    "finished_time": time.monotonic() if req.is_finished else None,
                    "num_preemptions": req.num_preemptions}
         return RequestOutput(req.request_id, req.prompt_token_ids, [completion], req.is_finished,
-                             max(req.num_cached_tokens, 0), new_text, new_ids, metrics)
+                             max(req.num_cached_tokens, 0), new_text, new_ids, metrics, req.error)
 
     # -- KV blocks by hash (disaggregation, tiers) ---------------------------------
     def prompt_block_hashes(self, prompt_ids: Sequence[int]) -> list[BlockHash]:
@@ -185,4 +229,5 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "kv_pins": len(self.kv_store.pins),
             "num_steps": self.num_steps,
+            "num_failed_requests": self.num_failed_requests,
         }

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from xlserve.engine.cuda_graph import DecodeGraphs
+from xlserve.engine.errors import FATAL_ERRORS, RequestError, describe
 from xlserve.engine.guided import GuidedDecoding
 from xlserve.kernels import cpu_ops
 from xlserve.engine.sampler import Sampler
@@ -23,6 +24,12 @@ from xlserve.loader.model_loader import LoadedModel
 class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, dict] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)  # request id -> why it cannot go on
+
+    def merge(self, other: "RunnerOutput") -> None:
+        self.sampled.update(other.sampled)
+        self.logprobs.update(other.logprobs)
+        self.errors.update(other.errors)
 
 
 class ModelRunner:
@@ -155,24 +162,36 @@ class ModelRunner:
                 and self.graphs.supports(len(scheduled), max(s.start_position for s in scheduled) + 1))
 
     def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> RunnerOutput:
+        """One token per row; a row that fails ends only its own request (``errors``)."""
         out = RunnerOutput()
         greedy = logits.max(-1).indices.tolist()  # first maximum, like argmax; 2x faster on CPU rows
+        finite = torch.isfinite(logits).all(-1).tolist()
         for i, s in enumerate(requests):
-            row, matcher = logits[i], None
-            if s.params.guided is not None:
-                matcher = self._matcher(s)
-                row = row.masked_fill(~self.guided.allowed(matcher).to(row.device), float("-inf"))
-            if s.params.greedy and not s.params.has_penalties and matcher is None:
-                token = greedy[i]
-            else:
-                token = self.sampler.sample_row(row, s.params, self._generator(s),
-                                                s.prompt_token_ids, s.output_token_ids)
-            if matcher is not None:
-                matcher.consume_token(token)
+            try:
+                if not finite[i]:
+                    raise RequestError("the model produced non-finite logits for this request")
+                token = self._sample_row(logits[i], s, greedy[i])
+            except FATAL_ERRORS:
+                raise
+            except Exception as e:  # noqa: BLE001 - attributed to this request alone
+                out.errors[s.request_id] = describe(e)
+                continue
             out.sampled[s.request_id] = token
             if s.params.logprobs is not None:
                 out.logprobs[s.request_id] = self.sampler.logprobs(logits[i], token, s.params.logprobs)
         return out
+
+    def _sample_row(self, row: torch.Tensor, s: ScheduledRequest, greedy: int) -> int:
+        matcher = None
+        if s.params.guided is not None:
+            matcher = self._matcher(s)
+            row = row.masked_fill(~self.guided.allowed(matcher).to(row.device), float("-inf"))
+        if s.params.greedy and not s.params.has_penalties and matcher is None:
+            return greedy
+        token = self.sampler.sample_row(row, s.params, self._generator(s), s.prompt_token_ids, s.output_token_ids)
+        if matcher is not None:
+            matcher.consume_token(token)
+        return token
 
     def _matcher(self, s: ScheduledRequest):
         matcher = self.matchers.get(s.request_id)

@@ -24,6 +24,7 @@ class RequestOutput:
     new_text: str = ""  # text released in this step (streaming)
     new_token_ids: list[int] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)  # arrival, first token, finish times (monotonic)
+    error: str | None = None  # the request failed in the engine (finish_reason "error"); others went on
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -26,6 +26,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"
     ABORT = "abort"
     PAUSED = "paused"  # stopped at a hand-off point; the answer continues on another worker
+    ERROR = "error"  # the request failed inside the engine (``Request.error`` says why); others go on
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix hit at first schedule; -1 until then
         self.finish_reason: FinishReason | None = None
+        self.error: str | None = None  # set with FinishReason.ERROR
         self.block_size = block_size
         self.extra_key = extra_key
         self.block_hashes: list[BlockHash] = []

@@ -1,13 +1,16 @@
 """Token sampling: penalties, greedy, temperature / top-k / top-p / min-p, logprobs.
 
 Random draws come from one ``torch.Generator`` per request, so a seeded request samples
-the same tokens whatever else shares its batch.
+the same tokens whatever else shares its batch. Every row is guarded: a draw whose
+probabilities are not finite (extreme parameters) falls back to the greedy token of the
+same logits, and a row with no allowed token ends its request with a ``RequestError``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from xlserve.engine.errors import RequestError
 from xlserve.sampling_params import SamplingParams
 
 
@@ -38,6 +41,7 @@ def filter_logits(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = sorted_logits.softmax(-1)
         # drop a token once the mass before it already reaches top_p (keeps at least one)
         drop = (probs.cumsum(-1) - probs) >= params.top_p
+        drop[0] = False  # the top token always stays, whatever rounding does to the sums
         row = row.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     if params.min_p > 0.0:
         probs = row.softmax(-1)
@@ -45,16 +49,25 @@ def filter_logits(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return row
 
 
+def greedy_token(row: torch.Tensor) -> int:
+    if not bool((row > float("-inf")).any()):
+        raise RequestError("no token is allowed next (every logit is masked)")
+    return int(row.argmax())
+
+
 class Sampler:
     def sample_row(self, row: torch.Tensor, params: SamplingParams, generator: torch.Generator,
                    prompt_ids: list[int] | None, output_ids: list[int] | None) -> int:
+        """One token from one row of finite (or masked: -inf) float32 logits."""
         if params.has_penalties:
             row = apply_penalties(row.clone(), params, prompt_ids or [], output_ids or [])
         if params.greedy:
-            return int(row.argmax())
+            return greedy_token(row)
         probs = filter_logits(row, params).softmax(-1)
         if probs.device.type != "cpu":
             probs = probs.cpu()
+        if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0.0:
+            return greedy_token(row)  # the defined fallback when the parameters overflow the math
         return int(torch.multinomial(probs, 1, generator=generator))
 
     @staticmethod

@@ -31,7 +31,9 @@ class Tokenizer:
         self.chat_template = ChatTemplate(chat_template, bos or "", eos or "")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch_fast releases the GIL (encode holds it: 8.7 s of a stalled event loop
+        # for a 7 MB prompt) and skips offsets we never read (4.6 s instead of 8.7 s).
+        ids = self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
         if (add_special_tokens and self.add_bos and self.bos_token_id is not None
                 and (not ids or ids[0] != self.bos_token_id)):
             ids = [self.bos_token_id] + ids

@@ -21,7 +21,7 @@ from xlserve.router.index import PrefixIndex
 from xlserve.router.metrics import RouterMetrics
 from xlserve.router.policies import make_policy
 from xlserve.router.pool import WorkerPool
-from xlserve.router.remote_engine import SERVED_BY, SESSION, RemoteEngine, WorkerFailed
+from xlserve.router.remote_engine import SERVED_BY, SESSION, NoWorker, RemoteEngine, WorkerFailed
 from xlserve.worker.app import build_app
 from xlserve.worker.errors import error_body
 from xlserve.worker.serving_common import WorkerState
@@ -56,7 +56,8 @@ class RouterFront:
 
 
 def build_router_app(opts: RouterOptions, config: ServerConfig):
-    pool = WorkerPool(list(opts.prefill), list(opts.decode), list(opts.both), opts.worker_api_key)
+    pool = WorkerPool(list(opts.prefill), list(opts.decode), list(opts.both), opts.worker_api_key,
+                      config.worker_timeout)
     info = pool.info()
     tokenizer = load_tokenizer(opts.model)
     metrics = RouterMetrics(pool, info["model"], opts.policy)
@@ -78,6 +79,8 @@ def build_router_app(opts: RouterOptions, config: ServerConfig):
 
     @app.exception_handler(WorkerFailed)
     async def _worker_failed(_, e: WorkerFailed):
+        if isinstance(e, NoWorker):  # a gap until a worker is back: clients should retry
+            return JSONResponse(error_body(503, str(e)), status_code=503, headers={"Retry-After": "2"})
         return JSONResponse(error_body(502, f"worker failed: {e}"), status_code=502)
 
     @app.on_event("startup")

@@ -33,7 +33,8 @@ class Worker:
 
 
 class WorkerPool:
-    def __init__(self, prefill: list[str], decode: list[str], both: list[str], api_key: str = ""):
+    def __init__(self, prefill: list[str], decode: list[str], both: list[str], api_key: str = "",
+                 worker_timeout: float = 60.0):
         self.workers = ([Worker(u.rstrip("/"), "prefill") for u in prefill] + [Worker(u.rstrip("/"), "decode") for u in decode]
                         + [Worker(u.rstrip("/"), "both") for u in both])
         if not self.workers:
@@ -42,7 +43,8 @@ class WorkerPool:
                 not any(w.role in ("decode", "both") for w in self.workers):
             raise ValueError("the router needs a worker for each stage: prefill (or both) and decode (or both)")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(600, connect=5), headers=headers)
+        # A worker that sends nothing for worker_timeout (stopped, hung) fails the request over.
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(worker_timeout, connect=5), headers=headers)
 
     def candidates(self, stage: str) -> list[Worker]:
         return [w for w in self.workers if w.can(stage)]

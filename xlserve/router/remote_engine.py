@@ -27,7 +27,7 @@ from xlserve.router.index import PrefixIndex
 from xlserve.router.policies import RouteRequest, RoutingPolicy
 from xlserve.router.pool import Worker, WorkerPool
 from xlserve.sampling_params import SamplingParams
-from xlserve.worker.async_engine import EngineBusy
+from xlserve.worker.async_engine import EngineBusy, RequestFailed
 
 log = logging.getLogger(__name__)
 SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("session", default=None)
@@ -35,7 +35,22 @@ SERVED_BY: contextvars.ContextVar[list | None] = contextvars.ContextVar("served_
 
 
 class WorkerFailed(Exception):
-    pass
+    """A worker failed (unreachable, 5xx, broken stream, no progress in time): marked down."""
+
+
+class NoWorker(WorkerFailed):
+    """No healthy worker of a stage is left to try."""
+
+
+def worker_error(error: dict, status: int) -> Exception:
+    """A worker's error (OpenAI shape) as the exception that puts the fault where it lies:
+    the client's input (``ValueError``), this request alone (``RequestFailed``), or the worker."""
+    message, code = str(error.get("message", "")), error.get("code")
+    if status == 400 or code == 400:
+        return ValueError(message)
+    if code == "request_failed":
+        return RequestFailed(message)
+    return WorkerFailed(f"status {status}: {message}")
 
 
 def sampling_json(params: SamplingParams) -> dict:
@@ -44,6 +59,15 @@ def sampling_json(params: SamplingParams) -> dict:
     for key in ("include_stop_str_in_output", "skip_special_tokens"):
         out.pop(key)
     return out
+
+
+def answer_error(status: int, body: bytes) -> Exception:
+    try:
+        error = json.loads(body)["error"]
+        assert isinstance(error, dict)
+    except (ValueError, KeyError, TypeError, AssertionError):
+        error = {"message": body[:200].decode("utf-8", "replace")}
+    return worker_error(error, status)
 
 
 class _Accumulator:
@@ -64,18 +88,27 @@ class _Accumulator:
 
 
 class RemoteStream:
-    """The worker-side ``RequestStream`` contract over an async generator: ``close()`` from
-    synchronous code ends it (releasing pins, closing the decode stream, which aborts the
-    request on the worker)."""
+    """The worker-side ``RequestStream`` contract over an async generator: ``accepted()``
+    waits for the first output (a worker's refusal raises there, before the router sends a
+    byte); ``close()`` from synchronous code ends it (releasing pins, closing the decode
+    stream, which aborts the request on the worker)."""
 
     def __init__(self, gen):
         self.gen = gen
         self.closed = False
+        self.first: RequestOutput | None = None
 
     def __aiter__(self):
         return self
 
+    async def accepted(self) -> None:
+        if self.first is None:
+            self.first = await self.gen.__anext__()
+
     async def __anext__(self) -> RequestOutput:
+        if self.first is not None:
+            first, self.first = self.first, None
+            return first
         return await self.gen.__anext__()
 
     def close(self) -> None:
@@ -101,6 +134,11 @@ class RemoteEngine:
         self.dead = None
         self.stats = {}
 
+    def health_problem(self, hang_timeout: float = 0.0) -> str | None:
+        """Why the router cannot serve now (a stage with no healthy worker), or None."""
+        missing = [stage for stage in ("prefill", "decode") if not self.pool.candidates(stage)]
+        return f"no healthy {' or '.join(missing)} worker" if missing else None
+
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                handoff: None = None) -> RemoteStream:
         if handoff is not None:
@@ -124,7 +162,7 @@ class RemoteEngine:
     def _pick(self, stage: str, route: RouteRequest, exclude: set[str]) -> Worker:
         candidates = [w for w in self.pool.candidates(stage) if w.url not in exclude]
         if not candidates:
-            raise WorkerFailed(f"no healthy {stage} worker")
+            raise NoWorker(f"no healthy {stage} worker")
         cached = self.index.cached_blocks(route.block_hashes, [w.url for w in candidates])
         worker = self.policy.pick(candidates, route, cached)
         route.predicted_cached[worker.url] = cached.get(worker.url, 0) * self.block_size
@@ -188,13 +226,12 @@ class RemoteEngine:
         acc.cached = first["cached_tokens"]
         self._observe_cached(route, prefill, acc.cached)
         paused = first["finish_reason"] == "paused"  # else the answer ended with its first token
-        yield acc.add(first["token_ids"], first["text"], first.get("logprobs"),
-                      None if paused else first["finish_reason"])
         handle = first.get("kv")
-        if not paused:
-            await self._release(prefill, handle)
-            return
-        try:
+        try:  # however the answer ends (a client that leaves at the first token too), the pin goes
+            yield acc.add(first["token_ids"], first["text"], first.get("logprobs"),
+                          None if paused else first["finish_reason"])
+            if not paused:
+                return
             async for out in self._retrying("decode", route, lambda w: self._stream(
                     w, prompt_ids, params, handle, acc, request_id, resume=first["token_ids"],
                     on_first=lambda: self._release(prefill, handle)), decode):
@@ -209,13 +246,11 @@ class RemoteEngine:
         try:
             r = await self.pool.http.post(f"{worker.url}/internal/generate", json=body)
         except httpx.HTTPError as e:
-            raise WorkerFailed(f"prefill request failed: {e}") from e
+            raise WorkerFailed(f"prefill request failed: {type(e).__name__} {e}") from e
         finally:
             worker.prefill_tokens -= len(ids)
-        if r.status_code == 400:
-            raise ValueError(r.json()["error"]["message"])
         if r.status_code != 200:
-            raise WorkerFailed(f"prefill answered {r.status_code}: {r.text[:200]}")
+            raise answer_error(r.status_code, r.content)
         return r.json()
 
     async def _release(self, worker: Worker, handle: dict | None) -> None:
@@ -240,17 +275,15 @@ class RemoteEngine:
         started = time.monotonic()
         try:
             async with self.pool.http.stream("POST", f"{worker.url}/internal/generate", json=body) as r:
-                if r.status_code == 400:
-                    raise ValueError(json.loads(await r.aread())["error"]["message"])
                 if r.status_code != 200:
-                    raise WorkerFailed(f"decode answered {r.status_code}")
+                    raise answer_error(r.status_code, await r.aread())
                 first_event = True
                 async for line in r.aiter_lines():
                     if not line.startswith("data: {"):
                         continue
                     event = json.loads(line[6:])
                     if "error" in event:
-                        raise WorkerFailed(event["error"].get("message", "decode failed"))
+                        raise worker_error(event["error"], r.status_code)
                     if first_event and on_first is not None:
                         asyncio.ensure_future(on_first())
                     first_event = False

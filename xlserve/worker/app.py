@@ -13,14 +13,16 @@ import logging
 import time
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from xlserve.config import ServerConfig
-from xlserve.worker.async_engine import EngineBusy, EngineDead
+from xlserve.worker.async_engine import EngineBusy, EngineDead, RequestFailed
 from xlserve.worker.errors import ApiError, error_body
+from xlserve.worker.event_stream import EventStreamResponse
 from xlserve.worker.internal import add_internal_routes
 from xlserve.worker.pricing import PriceTable
 from xlserve.worker.protocol import ChatCompletionRequest, CompletionRequest
@@ -40,7 +42,7 @@ def _validation_message(err: ValidationError) -> str:
     return "; ".join(parts)
 
 
-async def read_json(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
+async def read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body is {declared} bytes; the limit is {limit}")
@@ -49,23 +51,34 @@ async def read_json(request: Request, model: type[BaseModel], limit: int) -> Bas
         body += piece
         if len(body) > limit:
             raise ApiError(413, f"request body exceeds the limit of {limit} bytes")
+    return bytes(body)
+
+
+def parse_json(body: bytes, model: type[BaseModel]) -> BaseModel:
     try:
-        return model.model_validate_json(bytes(body))
+        return model.model_validate_json(body)
     except ValidationError as e:
         raise ApiError(400, _validation_message(e)) from e
 
 
-async def until_disconnected(request: Request, work, headers=None):
-    """Run ``work``; cancel it (aborting the generation) if the client goes away.
-    ``headers()``: extra response headers, read once the work is done."""
+async def read_json(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
+    return parse_json(await read_body(request, limit), model)
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request was being worked on."""
+
+
+async def until_disconnected(request: Request, work):
+    """Await ``work``; cancel it (aborting the generation) if the client goes away."""
     task = asyncio.ensure_future(work)
     while not task.done():
         await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
         if not task.done() and await request.is_disconnected():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            return Response(status_code=499)
-    return JSONResponse(task.result(), headers=headers() if headers else None)
+            raise ClientGone()
+    return task.result()
 
 
 def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
@@ -95,6 +108,20 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
     async def _dead(_, e: EngineDead):
         return error_response(503, f"engine unavailable: {e}")
 
+    @app.exception_handler(RequestFailed)
+    async def _failed(_, e: RequestFailed):
+        return error_response(500, f"the request failed: {e}", code="request_failed")
+
+    @app.exception_handler(ClientGone)
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_, e: Exception):
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        log.exception("unexpected error on %s", request.url.path)
+        return error_response(500, f"internal error: {type(e).__name__}")
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(_, e: StarletteHTTPException):
         return error_response(e.status_code, str(e.detail))
@@ -112,8 +139,9 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
 
     @app.get("/health")
     async def health():
-        if state.async_engine.dead is not None:
-            return error_response(503, "engine stopped")
+        problem = state.async_engine.health_problem(config.hang_timeout)
+        if problem is not None:
+            return error_response(503, problem)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -128,12 +156,18 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
     async def respond(request: Request, model: type[BaseModel], handler):
         if request_hook is not None:
             request_hook(request)
-        req = await read_json(request, model, config.max_body_bytes)
+        body = await read_body(request, config.max_body_bytes)
+
+        def parse_and_prepare():
+            req = parse_json(body, model)
+            return req, handler.prepare(req)
+        req, prepared = await state.preprocessor.run(parse_and_prepare, len(body))
+        work = handler.stream(req, prepared) if req.stream else handler.complete(req, prepared)
+        result = await until_disconnected(request, work)  # a refusal raises here, before any byte
+        headers = response_headers() if response_headers else None
         if req.stream:
-            body = await handler.stream(req)
-            return StreamingResponse(body, media_type="text/event-stream",
-                                     headers=response_headers() if response_headers else None)
-        return await until_disconnected(request, handler.complete(req), response_headers)
+            return EventStreamResponse(result, headers=headers)
+        return JSONResponse(result, headers=headers)
 
     @app.post("/v1/chat/completions", dependencies=api)
     async def chat_completions(request: Request):

@@ -3,6 +3,13 @@
 The event loop never runs model code, so HTTP stays responsive while a step runs
 (torch releases the GIL inside its kernels). Commands (add, abort) travel to the
 engine thread through a queue; outputs come back with ``call_soon_threadsafe``.
+
+A request is checked off the loop (a grammar compiles in milliseconds to seconds), then
+the engine thread takes it and answers ``ACCEPTED``, or the refusal, before any output:
+so a server awaits ``RequestStream.accepted()`` and turns every refusal into a 400
+before any byte of a response, streamed or not. A request that fails inside a step
+ends with ``RequestFailed``; the others go on. If the engine itself cannot continue,
+every stream gets ``EngineDead`` and ``on_fatal`` runs (a worker exits non-zero).
 """
 
 from __future__ import annotations
@@ -12,8 +19,10 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from typing import AsyncIterator, Sequence
+import time
+from typing import AsyncIterator, Callable, Sequence
 
+from xlserve.engine.errors import FATAL_ERRORS, describe
 from xlserve.engine.llm_engine import LLMEngine
 from xlserve.engine.outputs import RequestOutput
 from xlserve.engine.request import HandOff
@@ -30,6 +39,13 @@ class EngineDead(Exception):
     """The engine thread stopped after an internal error."""
 
 
+class RequestFailed(Exception):
+    """The request failed inside the engine (not the client's mistake); others went on."""
+
+
+ACCEPTED = object()  # the engine took the request; its outputs follow
+
+
 class RequestStream:
     """The outputs of one request. However it ends (finished, error, closed, or dropped
     without ever being read), the request is released and, if unfinished, aborted."""
@@ -39,11 +55,23 @@ class RequestStream:
         self.request_id = request_id
         self.queue: asyncio.Queue = asyncio.Queue()
         self.done = False
+        self.is_accepted = False
 
     def __aiter__(self):
         return self
 
+    async def accepted(self) -> None:
+        """Until the engine has taken the request; its refusal (``ValueError``) raises here."""
+        if not self.is_accepted:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                self._end(abort=False)
+                raise item
+            assert item is ACCEPTED, "the engine answers a request's acceptance before its outputs"
+            self.is_accepted = True
+
     async def __anext__(self) -> RequestOutput:
+        await self.accepted()
         if self.done:
             raise StopAsyncIteration
         item = await self.queue.get()
@@ -70,8 +98,10 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int):
+    def __init__(self, engine: LLMEngine, max_waiting: int,
+                 on_fatal: Callable[[BaseException], None] | None = None):
         self.engine = engine
+        self.on_fatal = on_fatal
         # Requests beyond what one step can run, plus this many queued, are refused as busy.
         self.max_pending = engine.config.scheduler.max_num_seqs + max_waiting
         self._commands: queue.Queue = queue.Queue()
@@ -79,6 +109,9 @@ class AsyncEngine:
         self._stats = engine.stats()
         self._stop = threading.Event()
         self.dead: BaseException | None = None
+        self.step_started: float | None = None  # monotonic start of the step running now
+        # Request checks (grammar compiles) run here, off the event loop and the engine thread.
+        self._checks = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="xlserve-check")
         self._thread = threading.Thread(target=self._run, name="xlserve-engine", daemon=True)
         self._thread.start()
 
@@ -89,23 +122,42 @@ class AsyncEngine:
     def num_pending(self) -> int:
         return len(self._streams)
 
+    def health_problem(self, hang_timeout: float) -> str | None:
+        """Why this engine cannot serve now (stopped, or one step running past
+        ``hang_timeout`` seconds: hung), or None."""
+        if self.dead is not None:
+            return f"engine stopped: {describe(self.dead)}"
+        started = self.step_started
+        busy = time.monotonic() - started if started is not None else 0.0
+        if busy > hang_timeout:
+            return f"engine hung: one step has run for {busy:.0f} s (limit {hang_timeout:g} s)"
+        return None
+
     def submit(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                handoff: HandOff | None = None) -> AsyncIterator[RequestOutput]:
-        """Check and enqueue now (raising ``ValueError``, ``EngineBusy`` or ``EngineDead``
-        before any byte of a response is sent), then stream the outputs. Closing the
-        stream early (client gone) aborts the request and frees its blocks."""
+        """Enqueue (``EngineBusy`` or ``EngineDead`` raise at once); the stream's
+        ``accepted()`` then raises the engine's refusal (``ValueError``) before any output.
+        Closing the stream early (client gone) aborts the request and frees its blocks."""
         if self.dead is not None:
             raise EngineDead(str(self.dead))
         if len(self._streams) >= self.max_pending:
             raise EngineBusy(f"{len(self._streams)} requests are in flight (limit {self.max_pending})")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_ids = list(prompt_ids)
-        self.engine.validate_request(prompt_ids, params, handoff)
         stream = RequestStream(self, request_id)
         self._streams[request_id] = (asyncio.get_running_loop(), stream.queue)
-        self._commands.put(("add", request_id, prompt_ids, params, handoff))
+        self._checks.submit(self._check_then_add, request_id, list(prompt_ids), params, handoff)
         return stream
+
+    def _check_then_add(self, request_id, prompt_ids, params, handoff) -> None:
+        if request_id not in self._streams:
+            return  # the client left while the request queued for its check
+        try:
+            self.engine.validate_request(prompt_ids, params, handoff)
+        except Exception as e:  # noqa: BLE001 - a ValueError is the client's; anything else is ours
+            self._deliver(request_id, e if isinstance(e, ValueError) else RequestFailed(describe(e)))
+            return
+        self._commands.put(("add", request_id, prompt_ids, params, handoff))
 
     def release(self, request_id: str, abort: bool) -> None:
         self._streams.pop(request_id, None)
@@ -133,13 +185,19 @@ class AsyncEngine:
         self._stop.set()
         self._commands.put(("stop",))
         self._thread.join(timeout=10)
+        self._checks.shutdown(wait=False, cancel_futures=True)
 
     # -- engine thread ------------------------------------------------------------
     def _deliver(self, request_id: str, item) -> None:
         target = self._streams.get(request_id)
         if target is not None:
             loop, stream = target
-            loop.call_soon_threadsafe(stream.put_nowait, item)
+            if isinstance(item, RequestOutput) and item.error is not None:
+                item = RequestFailed(item.error)
+            try:
+                loop.call_soon_threadsafe(stream.put_nowait, item)
+            except RuntimeError:  # that loop is closed: nobody is left to read
+                self._streams.pop(request_id, None)
 
     def _handle(self, command) -> None:
         kind = command[0]
@@ -148,9 +206,14 @@ class AsyncEngine:
             if request_id not in self._streams:
                 return  # the client left before the request reached the engine
             try:
-                self.engine.add_request(request_id, ids, params, handoff)
-            except ValueError as e:
-                self._deliver(request_id, e)
+                self.engine.add_request(request_id, ids, params, handoff, checked=True)
+            except FATAL_ERRORS:
+                raise
+            except Exception as e:  # noqa: BLE001 - refused (ValueError) or failed: this request only
+                self.engine.abort_request(request_id)
+                self._deliver(request_id, e if isinstance(e, ValueError) else RequestFailed(describe(e)))
+                return
+            self._deliver(request_id, ACCEPTED)
         elif kind == "abort":
             self.engine.abort_request(command[1])
         elif kind == "call":
@@ -172,11 +235,15 @@ class AsyncEngine:
                 except queue.Empty:
                     pass
                 if self.engine.has_unfinished_requests():
+                    self.step_started = time.monotonic()
                     for out in self.engine.step():
                         self._deliver(out.request_id, out)
+                    self.step_started = None
                 self._stats = self.engine.stats()
         except BaseException as e:  # surface to every waiter instead of hanging them
             log.exception("engine thread died")
             self.dead = e
             for request_id in list(self._streams):
-                self._deliver(request_id, EngineDead(f"engine failed: {e}"))
+                self._deliver(request_id, EngineDead(f"engine failed: {describe(e)}"))
+            if self.on_fatal is not None:
+                self.on_fatal(e)

@@ -60,14 +60,17 @@ class RequestRun:
         return usage
 
 
-def start_choices(engine: AsyncEngine, run: RequestRun,
-                  metrics: WorkerMetrics) -> AsyncIterator[tuple[ChoiceRun, RequestOutput]]:
-    """Submit every choice now (bad input and a full queue raise here, and nothing is
-    left running), then merge their outputs as ``(choice, output)``."""
+async def start_choices(engine: AsyncEngine, run: RequestRun,
+                        metrics: WorkerMetrics) -> AsyncIterator[tuple[ChoiceRun, RequestOutput]]:
+    """Submit every choice and wait until the engine took each (bad input is a 400 and a
+    full queue a 429 here, before any byte of a response, and nothing is left running),
+    then merge their outputs as ``(choice, output)``."""
     streams = []
     try:
         for c in run.choices:
             streams.append(engine.submit(f"{run.request_id}-{c.index}", c.prompt_ids, c.params, c.handoff))
+        for stream in streams:
+            await stream.accepted()
     except BaseException as e:
         for stream in streams:
             stream.close()

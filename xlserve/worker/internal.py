@@ -21,15 +21,16 @@ import time
 from typing import Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 from pydantic import Field
 
 from xlserve.config import ServerConfig
 from xlserve.engine.request import HandOff
 from xlserve.sampling_params import GuidedSpec, SamplingParams
 from xlserve.transfer.base import TransferError, transport
+from xlserve.worker.async_engine import RequestFailed
 from xlserve.worker.choices import ChoiceRun, RequestRun, start_choices
-from xlserve.worker.errors import ApiError
+from xlserve.worker.errors import ApiError, error_body
+from xlserve.worker.event_stream import EventStreamResponse
 from xlserve.worker.protocol import Strict
 from xlserve.worker.serving_common import WorkerState, new_id, sse
 
@@ -140,9 +141,9 @@ def add_internal_routes(app: FastAPI, state: WorkerState, config: ServerConfig, 
             pulled = await disagg.pull(req.kv_import, req.on_pull_failure or config.kv_pull_failure)
         run = RequestRun(req.request_id or new_id("int"), [ChoiceRun(0, list(req.prompt_token_ids), params,
                                                                          handoff=handoff)])
-        events = start_choices(state.async_engine, run, state.metrics)
+        events = await start_choices(state.async_engine, run, state.metrics)
         if req.stream:
-            return StreamingResponse(_stream(run, events, pulled), media_type="text/event-stream")
+            return EventStreamResponse(_stream(run, events, pulled))
         async for _ in events:
             pass
         out = run.choices[0].final
@@ -170,6 +171,16 @@ def _request_plan(req: InternalGenerateRequest) -> tuple[SamplingParams, HandOff
         raise ApiError(400, str(e)) from e
 
 
+def stream_error(e: Exception) -> dict:
+    """The error event of an internal stream; its code tells the router whose fault it is:
+    ``request_failed`` (this request only), 400 (the request's input), else the worker's."""
+    if isinstance(e, RequestFailed):
+        return error_body(500, str(e), code="request_failed")
+    if isinstance(e, ValueError):
+        return error_body(400, str(e))
+    return error_body(503, f"{type(e).__name__}: {e}", code="worker_failed")
+
+
 def _summary(out, pulled) -> dict:
     completion = out.outputs[0]
     return {"request_id": out.request_id, "token_ids": completion.token_ids, "text": completion.text,
@@ -189,7 +200,7 @@ async def _stream(run: RequestRun, events, pulled):
                           "kv_import": pulled}
             yield sse(event)
     except Exception as e:  # noqa: BLE001 - an error event, never a hung stream
-        yield sse({"error": {"message": str(e), "type": "internal_error"}})
+        yield sse(stream_error(e))
     finally:
         await events.aclose()
     yield sse("[DONE]")

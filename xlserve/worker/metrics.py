@@ -18,6 +18,9 @@ ENGINE_GAUGES = {
     "prefix_cache_queried_tokens": ("xlserve_prefix_cache_queried_tokens", "Prompt tokens looked up"),
     "prefix_cache_hit_tokens": ("xlserve_prefix_cache_hit_tokens", "Prompt tokens found in the cache"),
     "num_preemptions": ("xlserve_preemptions", "Requests preempted for lack of KV blocks"),
+    "kv_pins": ("xlserve_kv_pins", "Exported KV pins held for decode workers to pull"),
+    "num_failed_requests": ("xlserve_requests_failed_in_engine", "Requests ended by an error inside a step "
+                            "(the engine served on)"),
 }
 
 

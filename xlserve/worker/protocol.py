@@ -11,7 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from xlserve.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, GuidedSpec, SamplingParams
+from xlserve.sampling_params import (MAX_LOGPROBS, MAX_STOP_STRINGS, MIN_REPETITION_PENALTY, SEED_RANGE, GuidedSpec,
+                                     SamplingParams)
 
 MAX_N = 16
 MAX_MESSAGES = 2048
@@ -109,13 +110,13 @@ class SamplingFields(Strict):
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
     stop: str | list[str] | None = Field(default=None)
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)
     n: int = Field(default=1, ge=1, le=MAX_N)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
+    repetition_penalty: float | None = Field(default=None, ge=MIN_REPETITION_PENALTY, le=10)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None

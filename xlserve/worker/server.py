@@ -1,8 +1,14 @@
-"""Start a worker: load the engine, wrap it, serve HTTP until Ctrl-C."""
+"""Start a worker: load the engine, wrap it, serve HTTP until Ctrl-C.
+
+An engine that cannot continue ends the process with ``EXIT_ENGINE_DEAD`` once the
+requests it failed have had their error answers, never leaving a live process that
+answers 5xx forever; ``xlserve serve`` restarts it.
+"""
 
 from __future__ import annotations
 
 import logging
+import sys
 
 import uvicorn
 
@@ -14,24 +20,37 @@ from xlserve.worker.metrics import WorkerMetrics
 from xlserve.worker.serving_common import WorkerState
 
 log = logging.getLogger("xlserve.worker")
+EXIT_ENGINE_DEAD = 3
 
 
-def build_state(engine_config: EngineConfig) -> WorkerState:
+def build_state(engine_config: EngineConfig, on_fatal=None) -> WorkerState:
     engine = LLMEngine(engine_config)
-    async_engine = AsyncEngine(engine, engine_config.scheduler.max_waiting)
+    async_engine = AsyncEngine(engine, engine_config.scheduler.max_waiting, on_fatal)
     metrics = WorkerMetrics(lambda: async_engine.stats, engine.model_name)
     return WorkerState(engine, async_engine, metrics, engine.model_name)
 
 
 def run_worker(engine_config: EngineConfig, server_config: ServerConfig) -> None:
-    state = build_state(engine_config)
+    server: uvicorn.Server | None = None
+
+    def on_fatal(error: BaseException) -> None:  # on the engine thread
+        log.critical("the engine cannot continue (%s: %s); the worker exits", type(error).__name__, error)
+        if server is not None:
+            server.should_exit = True  # graceful: the failed requests' error answers go out first
+
+    state = build_state(engine_config, on_fatal)
     app = build_app(state, server_config)
     log.info("serving %s on http://%s:%d as %s (max context %d tokens, %d KV blocks of %d, KV transfer %s)",
              state.model_name, server_config.host, server_config.port, server_config.role, state.max_model_len,
              state.engine.num_blocks, state.engine.block_size, app.state.disaggregation.address)
+    server = uvicorn.Server(uvicorn.Config(app, host=server_config.host, port=server_config.port,
+                                           log_level=server_config.log_level, access_log=False,
+                                           timeout_graceful_shutdown=5))
+    server.should_exit = state.async_engine.dead is not None  # died before the server existed
     try:
-        uvicorn.run(app, host=server_config.host, port=server_config.port,
-                    log_level=server_config.log_level, access_log=False, timeout_graceful_shutdown=5)
+        server.run()
     finally:
         app.state.disaggregation.stop()
         state.async_engine.shutdown()
+    if state.async_engine.dead is not None:
+        sys.exit(EXIT_ENGINE_DEAD)

@@ -46,9 +46,9 @@ class ChatHandler:
             raise ValueError("tool_choice requires a tool call but no tools were given")
         return req.response_format.guided() if req.response_format else None
 
-    async def complete(self, req: ChatCompletionRequest) -> dict:
-        run, use_tools = self.prepare(req)
-        async for _ in start_choices(self.state.async_engine, run, self.state.metrics):
+    async def complete(self, req: ChatCompletionRequest, prepared: tuple[RequestRun, bool]) -> dict:
+        run, use_tools = prepared
+        async for _ in await start_choices(self.state.async_engine, run, self.state.metrics):
             pass
         return {"id": run.request_id, "object": "chat.completion", "created": now(),
                 "model": self.state.model_name,
@@ -67,10 +67,10 @@ class ChatHandler:
         return {"index": choice.index, "message": message, "logprobs": logprobs,
                 "finish_reason": "tool_calls" if calls else out.finish_reason}
 
-    async def stream(self, req: ChatCompletionRequest) -> AsyncIterator[str]:
+    async def stream(self, req: ChatCompletionRequest, prepared: tuple[RequestRun, bool]) -> AsyncIterator[str]:
         """Bad input and a full queue raise here, before any byte is sent."""
-        run, use_tools = self.prepare(req)
-        events = start_choices(self.state.async_engine, run, self.state.metrics)
+        run, use_tools = prepared
+        events = await start_choices(self.state.async_engine, run, self.state.metrics)
         return self._sse(run, use_tools, req, events)
 
     async def _sse(self, run: RequestRun, use_tools: bool, req: ChatCompletionRequest,

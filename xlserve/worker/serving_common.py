@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable, TypeVar
 
 from xlserve.engine.llm_engine import LLMEngine
 from xlserve.loader.tokenizer import Tokenizer
@@ -13,6 +16,28 @@ from xlserve.worker.async_engine import AsyncEngine
 from xlserve.worker.errors import ApiError
 from xlserve.worker.metrics import WorkerMetrics
 from xlserve.worker.pricing import PriceTable
+
+T = TypeVar("T")
+
+
+class Preprocessor:
+    """Parses, templates and tokenizes requests on its own threads, so one huge or slow
+    request never stalls the event loop (tokenizing 7 MB takes seconds). The time a
+    request may take grows with its body: ``base_s`` plus ``per_mib_s`` per MiB."""
+
+    def __init__(self, threads: int = 2, base_s: float = 10.0, per_mib_s: float = 5.0):
+        self.pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="xlserve-preprocess")
+        self.base_s, self.per_mib_s = base_s, per_mib_s
+
+    async def run(self, fn: Callable[[], T], body_bytes: int) -> T:
+        limit = self.base_s + self.per_mib_s * body_bytes / 2**20
+        future = self.pool.submit(fn)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), limit)
+        except asyncio.TimeoutError:
+            future.cancel()  # still queued: never runs; running: its result is dropped
+            raise ApiError(413, f"the request was not parsed and tokenized within {limit:.0f} s "
+                                f"(the bound for a body of {body_bytes} bytes); send a smaller one") from None
 
 
 @dataclass
@@ -22,6 +47,7 @@ class WorkerState:
     metrics: WorkerMetrics
     model_name: str
     prices: PriceTable = field(default_factory=PriceTable)
+    preprocessor: Preprocessor = field(default_factory=Preprocessor)
 
     @property
     def tokenizer(self) -> Tokenizer | None:

@@ -33,9 +33,8 @@ class CompletionHandler:
             return ""
         return self.state.tokenizer.decode(choice.prompt_ids)
 
-    async def complete(self, req: CompletionRequest) -> dict:
-        run = self.prepare(req)
-        async for _ in start_choices(self.state.async_engine, run, self.state.metrics):
+    async def complete(self, req: CompletionRequest, run: RequestRun) -> dict:
+        async for _ in await start_choices(self.state.async_engine, run, self.state.metrics):
             pass
         choices = []
         for c in run.choices:
@@ -48,9 +47,9 @@ class CompletionHandler:
         return {"id": run.request_id, "object": "text_completion", "created": now(),
                 "model": self.state.model_name, "choices": choices, "usage": run.usage()}
 
-    async def stream(self, req: CompletionRequest) -> AsyncIterator[str]:
-        run = self.prepare(req)
-        events = start_choices(self.state.async_engine, run, self.state.metrics)
+    async def stream(self, req: CompletionRequest, run: RequestRun) -> AsyncIterator[str]:
+        """Bad input and a full queue raise here, before any byte is sent."""
+        events = await start_choices(self.state.async_engine, run, self.state.metrics)
         return self._sse(run, req, events)
 
     async def _sse(self, run: RequestRun, req: CompletionRequest, events) -> AsyncIterator[str]:
