@@ -13,7 +13,7 @@ import logging
 import sys
 
 from xlserve.cli_args import add_config_args, config_from_args
-from xlserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from xlserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig, SupervisorConfig
 
 ENGINE_GROUPS = ((ModelConfig, "model"), (CacheConfig, "KV cache"), (SchedulerConfig, "scheduler"))
 
@@ -35,7 +35,8 @@ def _setup_logging(level: str = "info") -> None:
 def cmd_serve(args) -> int:
     from xlserve.launcher import serve
     _setup_logging(args.log_level)
-    serve(_engine_config(args), config_from_args(args, ServerConfig), colocated=args.colocated)
+    serve(_engine_config(args), config_from_args(args, ServerConfig), colocated=args.colocated,
+          supervision=config_from_args(args, SupervisorConfig))
     return 0
 
 
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_engine_args(p)
         add_config_args(p, ServerConfig, "server")
         if name == "serve":
+            add_config_args(p, SupervisorConfig, "supervision of the workers")
             p.add_argument("--colocated", action="store_true",
                            help="one worker doing prefill and decode instead of router + prefill + decode")
         p.set_defaults(func=func)

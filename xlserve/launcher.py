@@ -1,7 +1,7 @@
 """``xlserve serve``: the whole stack on one machine. By default a router plus one prefill
 and one decode worker, each its own process on 127.0.0.1; ``--colocated`` runs one
-worker instead. Ctrl-C stops every process; a worker that dies takes the stack down
-rather than leaving half of it running.
+worker instead. A supervisor restarts a worker that exits or stops answering (see
+``xlserve.supervisor``); Ctrl-C or SIGTERM stops every process.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import time
 import httpx
 
 from xlserve.cli_args import config_to_args
-from xlserve.config import EngineConfig, ServerConfig
+from xlserve.config import EngineConfig, ServerConfig, SupervisorConfig
+from xlserve.supervisor import Supervisor, WorkerProcess, die_with_parent, raise_on_sigterm, stop_processes
 
 log = logging.getLogger("xlserve.serve")
 STARTUP_TIMEOUT_S = 600
@@ -30,21 +31,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_worker(role: str, engine: EngineConfig, key: str, log_level: str,
-                 cores: list[int] | None = None) -> tuple[subprocess.Popen, str]:
-    """A worker process on a free loopback port; ``cores``: pin it there (one thread each)."""
+def worker_process(role: str, engine: EngineConfig, server: ServerConfig, key: str,
+                   cores: list[int] | None = None) -> WorkerProcess:
+    """A worker on a free loopback port, started (and restarted) on that same port;
+    ``cores``: pin it there (one thread each)."""
     port = free_port()
     args = [sys.executable, "-m", "xlserve.cli", "worker", "--role", role, "--host", "127.0.0.1",
-            "--port", str(port), "--log-level", log_level]
+            "--port", str(port), "--log-level", server.log_level, "--hang-timeout", str(server.hang_timeout)]
     for part in (engine.model, engine.cache, engine.scheduler):
         args += config_to_args(part)
     env = {**os.environ, "XLSERVE_WORKER_API_KEY": key}
     if cores:
         env["OMP_NUM_THREADS"] = str(len(cores))
-    proc = subprocess.Popen(args, env=env)
-    if cores:
-        os.sched_setaffinity(proc.pid, cores)
-    return proc, f"http://127.0.0.1:{port}"
+
+    def spawn() -> subprocess.Popen:
+        proc = subprocess.Popen(args, env=env, preexec_fn=die_with_parent)
+        if cores:
+            os.sched_setaffinity(proc.pid, cores)
+        return proc
+    worker = WorkerProcess(role, f"http://127.0.0.1:{port}", spawn)
+    worker.start()
+    return worker
+
+
+def start_worker(role: str, engine: EngineConfig, key: str, log_level: str,
+                 cores: list[int] | None = None) -> tuple[subprocess.Popen, str]:
+    """A worker process on a free loopback port (benchmarks start their own)."""
+    worker = worker_process(role, engine, ServerConfig(log_level=log_level), key, cores)
+    return worker.proc, worker.url
 
 
 def wait_healthy(procs: list[tuple[subprocess.Popen, str]]) -> None:
@@ -66,33 +80,42 @@ def wait_healthy(procs: list[tuple[subprocess.Popen, str]]) -> None:
 
 
 def stop_all(procs: list[tuple[subprocess.Popen, str]]) -> None:
-    for proc, _ in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-    deadline = time.monotonic() + 15
-    for proc, _ in procs:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    stop_processes([proc for proc, _ in procs])
 
 
-def serve(engine: EngineConfig, server: ServerConfig, colocated: bool, policy: str = "cache_aware") -> None:
+def serve(engine: EngineConfig, server: ServerConfig, colocated: bool, policy: str = "cache_aware",
+          supervision: SupervisorConfig = SupervisorConfig()) -> None:
     if colocated:
         from xlserve.worker.server import run_worker
         run_worker(engine, server)
         return
     from xlserve.router.app import RouterOptions, run_router
+    raise_on_sigterm()
     key = secrets.token_hex(16)  # workers listen on loopback and still want a key: only the router has it
-    procs: list[tuple[subprocess.Popen, str]] = []
+    workers: list[WorkerProcess] = []
+    supervisor = None
     try:
-        procs.append(start_worker("prefill", engine, key, server.log_level))
-        procs.append(start_worker("decode", engine, key, server.log_level))
-        wait_healthy(procs)
-        log.info("workers ready: prefill %s, decode %s", procs[0][1], procs[1][1])
-        opts = RouterOptions(prefill=(procs[0][1],), decode=(procs[1][1],), policy=policy,
+        workers.append(worker_process("prefill", engine, server, key))
+        workers.append(worker_process("decode", engine, server, key))
+        wait_healthy([(w.proc, w.url) for w in workers])
+        log.info("workers ready: prefill %s, decode %s", workers[0].url, workers[1].url)
+        gave_up: list[str] = []
+
+        def give_up(why: str) -> None:  # on the supervisor's thread: stop the router, then exit non-zero
+            gave_up.append(why)
+            os.kill(os.getpid(), signal.SIGINT)
+        supervisor = Supervisor(workers, supervision, give_up)
+        supervisor.start()
+        opts = RouterOptions(prefill=(workers[0].url,), decode=(workers[1].url,), policy=policy,
                              model=engine.model.model, worker_api_key=key)
-        run_router(opts, server)
+        try:
+            run_router(opts, server)
+        except (KeyboardInterrupt, SystemExit):
+            if not gave_up:
+                raise
+        if gave_up:
+            raise SystemExit(f"xlserve serve: {gave_up[0]}")
     finally:
-        stop_all(procs)
+        if supervisor is not None:
+            supervisor.stop()
+        stop_processes([w.proc for w in workers if w.proc is not None])

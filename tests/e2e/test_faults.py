@@ -1,0 +1,228 @@
+"""No single request and no single dead process takes the service down: hostile inputs
+against a real worker and a real router (default dtype, as users run them), a huge body
+beside a live stream, disconnected streams, and a supervised `xlserve serve` whose workers
+are killed under load."""
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.e2e.server_process import PROCESSES, metric, running_server
+
+MODEL = "SmolLM2-135M-Instruct"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 6}
+KILLERS = [{"temperature": 5e-324}, {"top_p": 1e-300}, {"temperature": 1e-30, "top_p": 1e-300, "seed": 3}]
+BAD_TOOL = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "no-such-type"}}}]
+MISTAKES = {
+    "schema that does not compile": {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "bogus"}}}}}},
+    "tool schema with a required call": {**CHAT, "tools": BAD_TOOL, "tool_choice": "required"},
+    "repetition penalty that underflows": {**CHAT, "repetition_penalty": 1e-300, "temperature": 1.0},
+    "temperature that overflows": {**CHAT, "temperature": "HUGE"},  # sent as the literal 1e400
+    "token ids outside the vocabulary": {"model": MODEL, "prompt": [1, 2, 10**6], "max_tokens": 4},
+}
+
+
+@pytest.fixture(scope="module")
+def servers():
+    with running_server("--log-level", "warning") as colocated, \
+            running_server("--role", "prefill", "--log-level", "warning") as p, \
+            running_server("--role", "decode", "--log-level", "warning") as d, \
+            running_server("--prefill", p, "--decode", d, "--log-level", "warning", command="router") as router:
+        yield {"colocated": colocated, "router": router, "p": p, "d": d}
+
+
+def _post(url, body, stream=False):
+    path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+    raw = json.dumps({**body, "stream": stream}).replace('"HUGE"', "1e400")
+    return httpx.post(f"{url}{path}", content=raw, headers={"content-type": "application/json"}, timeout=120)
+
+
+@pytest.mark.parametrize("target", ["colocated", "router"])
+def test_engine_killing_requests_leave_the_service_serving(servers, target):
+    url = servers[target]
+    pids = {name: PROCESSES[servers[name]].pid for name in ("colocated", "p", "d")}
+    for body in KILLERS:
+        for stream in (False, True):
+            r = _post(url, {**CHAT, **body}, stream)
+            assert r.status_code == 200, r.text
+            assert '"error"' not in r.text
+    ok = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0).chat.completions.create(**CHAT)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+    for name, pid in pids.items():  # no worker restarted or died
+        assert PROCESSES[servers[name]].pid == pid and PROCESSES[servers[name]].poll() is None
+        assert httpx.get(f"{servers[name]}/health").status_code == 200
+
+
+@pytest.mark.parametrize("target", ["colocated", "router"])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("mistake", sorted(MISTAKES))
+def test_client_mistakes_are_400_with_an_openai_error_body(servers, target, stream, mistake):
+    r = _post(servers[target], MISTAKES[mistake], stream)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+
+
+def _stream_gaps(url, gaps, started):
+    body = {**CHAT, "messages": [{"role": "user", "content": "Count from one to a hundred."}],
+            "max_tokens": 160, "ignore_eos": True, "temperature": 0, "stream": True}
+    last = None
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                now = time.monotonic()
+                if last is not None:
+                    gaps.append((now, now - last))
+                last = now
+                started.set()
+
+
+def test_a_7mb_body_does_not_stall_another_clients_stream(servers):
+    router = servers["router"]
+    gaps, started = [], threading.Event()
+    streamer = threading.Thread(target=_stream_gaps, args=(router, gaps, started))
+    streamer.start()
+    assert started.wait(60)
+    huge = {**CHAT, "messages": [{"role": "user", "content": "All work and no play. " * 320_000}]}
+    sent = time.monotonic()
+    r = httpx.post(f"{router}/v1/chat/completions", content=json.dumps(huge), timeout=120,
+                   headers={"content-type": "application/json"})
+    answered = time.monotonic()
+    streamer.join(120)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    during = [gap for at, gap in gaps if sent <= at <= answered + 0.5]
+    assert answered - sent > 1.0 and len(during) >= 3  # the stream ran while the body was tokenized
+    assert max(gap for _, gap in gaps) < 0.5, max(gap for _, gap in gaps)
+
+
+def test_64_disconnected_streams_leave_no_close_wait_socket_on_the_router(servers):
+    router = servers["router"]
+    port = int(router.rsplit(":", 1)[1])
+    body = json.dumps({**CHAT, "max_tokens": 300, "ignore_eos": True, "stream": True}).encode()
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body))
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(64)]
+    for i, s in enumerate(socks):
+        s.sendall(head + body)
+        if i % 2:  # half leave mid-stream, half before the first token
+            got = b""
+            while got.count(b"data: {") < 2:
+                got += s.recv(65536)
+    for s in socks:
+        s.close()
+    router_proc = psutil.Process(PROCESSES[router].pid)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        waiting = [c for c in router_proc.net_connections("tcp") if c.status == psutil.CONN_CLOSE_WAIT]
+        busy = httpx.get(f"{router}/router/workers").json()
+        if not waiting and all(w["decode_tokens"] == 0 for w in busy):
+            break
+        time.sleep(0.5)
+    assert waiting == []
+    assert all(w["decode_tokens"] == 0 for w in busy)  # the decode streams were closed, not left running
+    deadline = time.monotonic() + 10
+    while metric(servers["p"], "xlserve_kv_pins") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert metric(servers["p"], "xlserve_kv_pins") == 0  # the prefill's pins were released, not left to expire
+
+
+class Load:
+    """Clients that send chat requests in a loop, each with a 30 s deadline, and record
+    every outcome: (client, start, end, "ok" or the status / error)."""
+    DEADLINE_S = 30
+
+    def __init__(self, url: str, clients: int = 3):
+        self.url, self.stop, self.outcomes = url, threading.Event(), []
+        self.threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(clients)]
+        for t in self.threads:
+            t.start()
+
+    def _loop(self, i: int) -> None:
+        while not self.stop.is_set():
+            start = time.monotonic()
+            try:
+                r = httpx.post(f"{self.url}/v1/chat/completions", timeout=self.DEADLINE_S,
+                               json={**CHAT, "max_tokens": 12, "stream": bool(i % 2)})
+                outcome = "ok" if r.status_code == 200 and '"error"' not in r.text else f"{r.status_code}"
+            except httpx.HTTPError as e:
+                outcome = type(e).__name__
+            self.outcomes.append((i, start, time.monotonic(), outcome))
+            if outcome != "ok":
+                time.sleep(0.2)
+
+    def finish(self) -> list:
+        self.stop.set()
+        for t in self.threads:
+            t.join(self.DEADLINE_S + 10)
+        return self.outcomes
+
+
+def _worker_pid(serve_pid: int, role: str) -> int:
+    for child in psutil.Process(serve_pid).children():
+        cmd = child.cmdline()
+        if "--role" in cmd and cmd[cmd.index("--role") + 1] == role:
+            return child.pid
+    raise LookupError(role)
+
+
+def _until_recovered(url: str, serve_pid: int, role: str, old_pid: int, health: list) -> float:
+    """Seconds until a request succeeds on a new ``role`` worker; router health is sampled."""
+    began = time.monotonic()
+    while time.monotonic() - began < 90:
+        health.append(httpx.get(f"{url}/health", timeout=5).status_code)
+        try:
+            new_pid = _worker_pid(serve_pid, role)
+        except (LookupError, psutil.Error):
+            new_pid = old_pid
+        if new_pid != old_pid and httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30).status_code == 200:
+            return time.monotonic() - began
+        time.sleep(0.2)
+    raise AssertionError(f"no new {role} worker served within 90 s")
+
+
+def test_serve_restarts_killed_and_stopped_workers_under_load():
+    import signal
+    import subprocess
+    import sys
+
+    from tests.e2e.server_process import free_port
+    from xlserve.launcher import wait_healthy
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    serve = subprocess.Popen([sys.executable, "-m", "xlserve.cli", "serve", "--port", str(port), "--log-level",
+                              "warning", "--worker-timeout", "8", "--unhealthy-restart", "4"])
+    try:
+        wait_healthy([(serve, url)])
+        load = Load(url)
+        time.sleep(2)
+        try:
+            recovered = {}
+            for role, sig in (("decode", signal.SIGKILL), ("prefill", signal.SIGKILL), ("decode", signal.SIGSTOP)):
+                pid, health = _worker_pid(serve.pid, role), []
+                psutil.Process(pid).send_signal(sig)
+                recovered[(role, sig)] = _until_recovered(url, serve.pid, role, pid, health)
+                assert 503 in health, health  # the router's health showed the gap
+                assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+                assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+                time.sleep(3)  # the load runs on the recovered stack
+        finally:
+            outcomes = load.finish()
+        assert serve.poll() is None
+        workers = [_worker_pid(serve.pid, role) for role in ("prefill", "decode")]
+    finally:
+        serve.send_signal(signal.SIGTERM)  # what docker stop and systemd send
+        serve.wait(30)
+    time.sleep(1)
+    assert not any(psutil.pid_exists(pid) for pid in workers)  # no orphans
+    assert all(seconds < 60 for seconds in recovered.values()), recovered
+    assert all(end - start < Load.DEADLINE_S for _, start, end, _ in outcomes)  # nobody waited past the deadline
+    assert {o for *_, o in outcomes} <= {"ok", "200", "502", "503"}  # 200: a stream that ended in an error event
+    last = {client: o for client, *_, o in outcomes}
+    assert set(last.values()) == {"ok"}, last  # every client is served again at the end
