@@ -226,3 +226,38 @@ def test_serve_restarts_killed_and_stopped_workers_under_load():
     assert {o for *_, o in outcomes} <= {"ok", "200", "502", "503"}  # 200: a stream that ended in an error event
     last = {client: o for client, *_, o in outcomes}
     assert set(last.values()) == {"ok"}, last  # every client is served again at the end
+
+
+FATAL_WORKER = """
+import sys
+from xlserve.config import EngineConfig, ServerConfig
+from xlserve.engine.errors import EngineFatal
+from xlserve.engine.llm_engine import LLMEngine
+from xlserve.worker.server import run_worker
+
+def step(self):  # test hook: the device is lost at the first step
+    raise EngineFatal("device lost")
+LLMEngine.step = step
+run_worker(EngineConfig.from_kwargs(model=sys.argv[1], kv_cache_tokens=1024),
+           ServerConfig(port=int(sys.argv[2]), log_level="warning"))
+"""
+
+
+def test_a_worker_whose_engine_cannot_continue_answers_then_exits_non_zero(tiny_llama_dir):
+    import subprocess
+    import sys
+
+    from tests.e2e.server_process import free_port
+    from xlserve.launcher import wait_healthy
+    from xlserve.worker.server import EXIT_ENGINE_DEAD
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-c", FATAL_WORKER, tiny_llama_dir, str(port)])
+    try:
+        wait_healthy([(proc, url)])
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4}, timeout=30)
+        assert r.status_code == 503 and "device lost" in r.json()["error"]["message"]
+        assert proc.wait(timeout=30) == EXIT_ENGINE_DEAD  # never a live process answering 5xx forever
+    finally:
+        if proc.poll() is None:
+            proc.kill()
