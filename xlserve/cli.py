@@ -6,16 +6,19 @@ Engine and server flags come from the config dataclasses (``xlserve.config``).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import os
 import logging
 import sys
 
 from xlserve.cli_args import add_config_args, config_from_args
-from xlserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig, SupervisorConfig
+from xlserve.config import (CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig, SupervisorConfig,
+                            resolve_keys)
 
 ENGINE_GROUPS = ((ModelConfig, "model"), (CacheConfig, "KV cache"), (SchedulerConfig, "scheduler"))
+
+
+def _server_config(args) -> ServerConfig:
+    return resolve_keys(config_from_args(args, ServerConfig))
 
 
 def _engine_config(args) -> EngineConfig:
@@ -35,7 +38,7 @@ def _setup_logging(level: str = "info") -> None:
 def cmd_serve(args) -> int:
     from xlserve.launcher import serve
     _setup_logging(args.log_level)
-    serve(_engine_config(args), config_from_args(args, ServerConfig), colocated=args.colocated,
+    serve(_engine_config(args), _server_config(args), colocated=args.colocated,
           supervision=config_from_args(args, SupervisorConfig))
     return 0
 
@@ -43,20 +46,18 @@ def cmd_serve(args) -> int:
 def cmd_worker(args) -> int:
     from xlserve.worker.server import run_worker
     _setup_logging(args.log_level)
-    server = config_from_args(args, ServerConfig)
-    if not server.api_key and os.environ.get("XLSERVE_WORKER_API_KEY"):
-        server = dataclasses.replace(server, api_key=os.environ["XLSERVE_WORKER_API_KEY"])
-    run_worker(_engine_config(args), server)
+    run_worker(_engine_config(args), _server_config(args))
     return 0
 
 
 def cmd_router(args) -> int:
     from xlserve.router.app import RouterOptions, run_router
     _setup_logging(args.log_level)
+    server = _server_config(args)
     opts = RouterOptions(prefill=tuple(args.prefill), decode=tuple(args.decode), both=tuple(args.both),
                          policy=args.policy, affinity=not args.no_affinity, model=args.model,
-                         worker_api_key=args.worker_api_key)
-    run_router(opts, config_from_args(args, ServerConfig))
+                         worker_api_key=server.internal_api_key)
+    run_router(opts, server)
     return 0
 
 
@@ -106,7 +107,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how workers are picked")
     r.add_argument("--no-affinity", action="store_true", help="ignore the x-session-affinity header")
     r.add_argument("--model", default="default", help="the workers' model, for the tokenizer and chat template")
-    r.add_argument("--worker-api-key", default="", help="API key the workers expect, if any")
     add_config_args(r, ServerConfig, "server")
     r.set_defaults(func=cmd_router)
     g = sub.add_parser("generate", help="generate text for one prompt and print it",

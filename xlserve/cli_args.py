@@ -11,6 +11,8 @@ def add_config_args(parser: argparse.ArgumentParser, cls, title: str | None = No
     group = parser.add_argument_group(title or cls.__name__)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
+        if not f.metadata.get("cli", True):
+            continue  # set from the environment or a file only (keys)
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
         help_text = f.metadata.get("help", "") + f" (default: {f.default!r})"
@@ -24,7 +26,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls, title: str | None = No
 
 def config_from_args(args: argparse.Namespace, cls):
     """Build ``cls`` from parsed flags; a ``ValueError`` from validation names the problem."""
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.metadata.get("cli", True)})
 
 
 def config_to_args(config) -> list[str]:
@@ -32,7 +34,7 @@ def config_to_args(config) -> list[str]:
     out = []
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
-        if value == f.default:
+        if value == f.default or not f.metadata.get("cli", True):
             continue
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):

@@ -7,7 +7,9 @@ truth for every knob.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -128,7 +130,17 @@ class SupervisorConfig:
 class ServerConfig:
     host: str = _opt("127.0.0.1", "Address to bind. Loopback by default; use 0.0.0.0 only behind a firewall.")
     port: int = _opt(8000, "TCP port to listen on.")
-    api_key: str = _opt("", "If set, every /v1 request must send 'Authorization: Bearer <key>'.")
+    api_key: str = _opt("", "If set, every /v1 request must send 'Authorization: Bearer <key>'. A flag "
+                        "shows the key to anyone who lists processes: prefer XLSERVE_API_KEY in the "
+                        "environment or --api-key-file.")
+    api_key_file: str = _opt("", "File whose first line is the API key (see --api-key).")
+    internal_api_key: str = _opt("", "Key of the internal endpoints between router and workers; empty: the "
+                                 "API key guards them too. Read from XLSERVE_INTERNAL_API_KEY or "
+                                 "--internal-api-key-file, never from a flag.", cli=False)
+    internal_api_key_file: str = _opt("", "File whose first line is the internal key (router and workers).")
+    allowed_hosts: str = _opt("", "Comma-separated Host names answered besides loopback ones when bound to "
+                              "a loopback address ('*': any). Guards against DNS rebinding.")
+    metrics_need_key: bool = _opt(False, "Put /metrics and /router/workers behind the API key too.")
     max_body_bytes: int = _opt(8 * 1024 * 1024, "Largest request body accepted; larger ones get 413.")
     tool_parser: str = _opt("hermes", "Parser that turns model output into tool_calls.")
     log_level: str = _opt("info", "Log level: debug, info, warning, error.",
@@ -164,3 +176,25 @@ class ServerConfig:
             raise ValueError(f"hang_timeout must be in (0, 3600], got {self.hang_timeout}")
         if not 0 < self.kv_pull_timeout <= 600:
             raise ValueError(f"kv_pull_timeout must be in (0, 600], got {self.kv_pull_timeout}")
+
+
+def _read_key(path: str, what: str) -> str:
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"cannot read the {what} from {path}: {e.strerror}") from e
+    if not lines or not lines[0].strip():
+        raise ValueError(f"{path} holds no {what} on its first line")
+    return lines[0].strip()
+
+
+def resolve_keys(server: ServerConfig, environ=os.environ) -> ServerConfig:
+    """Fill the keys from their files or the environment, so none has to be on a command
+    line: the API key from --api-key, --api-key-file or XLSERVE_API_KEY; the internal key
+    from --internal-api-key-file or XLSERVE_INTERNAL_API_KEY."""
+    api = server.api_key or (_read_key(server.api_key_file, "API key") if server.api_key_file else "") \
+        or environ.get("XLSERVE_API_KEY", "")
+    internal = server.internal_api_key or (_read_key(server.internal_api_key_file, "internal key")
+                                           if server.internal_api_key_file else "") \
+        or environ.get("XLSERVE_INTERNAL_API_KEY", "")
+    return replace(server, api_key=api, internal_api_key=internal)

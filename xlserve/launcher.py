@@ -40,7 +40,7 @@ def worker_process(role: str, engine: EngineConfig, server: ServerConfig, key: s
             "--port", str(port), "--log-level", server.log_level, "--hang-timeout", str(server.hang_timeout)]
     for part in (engine.model, engine.cache, engine.scheduler):
         args += config_to_args(part)
-    env = {**os.environ, "XLSERVE_WORKER_API_KEY": key}
+    env = {**os.environ, "XLSERVE_INTERNAL_API_KEY": key}  # never on a command line
     if cores:
         env["OMP_NUM_THREADS"] = str(len(cores))
 

@@ -21,11 +21,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(*args: str, timeout: float = 180.0, command: str = "worker"):
+def running_server(*args: str, timeout: float = 180.0, command: str = "worker", env: dict | None = None):
+    """``env``: extra environment variables (keys, which never go on a command line)."""
     port = free_port()
     cmd = [sys.executable, "-m", "xlserve.cli", command, "--port", str(port), *args]
     log = open(os.devnull, "w") if os.environ.get("XLSERVE_TEST_QUIET") else None
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     PROCESSES[url] = proc
     try:

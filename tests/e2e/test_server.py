@@ -167,9 +167,10 @@ def test_bad_input_gets_status_while_good_stream_completes(server, client, model
         assert r.status_code == status, (body, r.text)
         err = r.json()["error"]
         assert err["message"] and err["type"]
-    assert httpx.post(f"{server}/v1/chat/completions", content=b"{not json", headers=headers).status_code == 400
+    as_json = {**headers, "content-type": "application/json"}
+    assert httpx.post(f"{server}/v1/chat/completions", content=b"{not json", headers=as_json).status_code == 400
     big = b'{"messages": [{"role": "user", "content": "' + b"x" * (9 * 1024 * 1024) + b'"}]}'
-    assert httpx.post(f"{server}/v1/chat/completions", content=big, headers=headers).status_code == 413
+    assert httpx.post(f"{server}/v1/chat/completions", content=big, headers=as_json).status_code == 413
     assert httpx.post(f"{server}/v1/chat/completions", json={"messages": HELLO}).status_code == 401
     assert httpx.post(f"{server}/v1/chat/completions", json={"messages": HELLO},
                       headers={"Authorization": "Bearer wrong"}).status_code == 401

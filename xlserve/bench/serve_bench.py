@@ -44,12 +44,12 @@ def setups(cores: int, peers: bool) -> list[Setup]:
 
 def _router(urls_by_role: dict, flags, key: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    args = [sys.executable, "-m", "xlserve.cli", "router", "--port", str(port), "--log-level", "warning",
-            "--worker-api-key", key, *flags]
+    args = [sys.executable, "-m", "xlserve.cli", "router", "--port", str(port), "--log-level", "warning", *flags]
     for role in ("prefill", "decode", "both"):
         if urls_by_role.get(role):
             args += [f"--{role}", *urls_by_role[role]]
-    return subprocess.Popen(args), f"http://127.0.0.1:{port}"
+    env = {**os.environ, "XLSERVE_INTERNAL_API_KEY": key}
+    return subprocess.Popen(args, env=env), f"http://127.0.0.1:{port}"
 
 
 def _launch_xlserve(setup: Setup, engine: EngineConfig, procs: list) -> str:

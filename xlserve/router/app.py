@@ -87,7 +87,7 @@ def build_router_app(opts: RouterOptions, config: ServerConfig):
     async def _health():
         app.state.health_task = asyncio.create_task(pool.health_loop(opts.health_interval, index))
 
-    @app.get("/router/workers")
+    @app.get("/router/workers", dependencies=app.state.api_dependencies if config.metrics_need_key else [])
     async def workers():
         return [{"url": w.url, "role": w.role, "healthy": w.healthy, "prefill_tokens": w.prefill_tokens,
                  "decode_tokens": w.decode_tokens, "indexed_blocks": index.blocks_on(w.url)} for w in pool.workers]

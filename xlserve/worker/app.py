@@ -23,6 +23,7 @@ from xlserve.config import ServerConfig
 from xlserve.worker.async_engine import EngineBusy, EngineDead, RequestFailed
 from xlserve.worker.errors import ApiError, error_body
 from xlserve.worker.event_stream import EventStreamResponse
+from xlserve.worker.http_edge import HostGuard, allowed_hosts, check_json_content_type
 from xlserve.worker.internal import add_internal_routes
 from xlserve.worker.pricing import PriceTable
 from xlserve.worker.protocol import ChatCompletionRequest, CompletionRequest
@@ -43,6 +44,7 @@ def _validation_message(err: ValidationError) -> str:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
+    check_json_content_type(request.headers.get("content-type"))
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body is {declared} bytes; the limit is {limit}")
@@ -88,6 +90,9 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
     its session header there); ``response_headers()``: extra response headers (the router
     names the workers it routed to)."""
     app = FastAPI(title=title, docs_url=None, redoc_url=None)
+    hosts = allowed_hosts(config.host, config.allowed_hosts)
+    if hosts is not None:
+        app.add_middleware(HostGuard, allowed=hosts)
     state.prices = PriceTable(config.price_input, config.price_cached_input, config.price_output)
     chat, completions = ChatHandler(state, config.tool_parser), CompletionHandler(state)
 
@@ -126,16 +131,24 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
     async def _http(_, e: StarletteHTTPException):
         return error_response(e.status_code, str(e.detail))
 
-    # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware hides client
-    # disconnects from the endpoint, and we abort generations on disconnect.
-    async def check_api_key(request: Request):
-        if config.api_key:
+    # A key on every door: public routes take the API key, internal ones the internal key;
+    # a worker with only one of them guards both with it (the router has no internal routes).
+    public_key = config.api_key or (config.internal_api_key if internal else "")
+    internal_key = config.internal_api_key or config.api_key
+
+    def key_check(key: str):
+        # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware hides client
+        # disconnects from the endpoint, and we abort generations on disconnect.
+        async def check(request: Request):
             given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
+            if key and not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
                 raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                code="invalid_api_key")
+        return [Depends(check)]
 
-    api = [Depends(check_api_key)]
+    api = key_check(public_key)
+    app.state.api_dependencies = api
+    observe = api if config.metrics_need_key else []
 
     @app.get("/health")
     async def health():
@@ -144,7 +157,7 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
             return error_response(503, problem)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=observe)
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -178,5 +191,5 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
         return await respond(request, CompletionRequest, completions)
 
     if internal:
-        app.state.disaggregation = add_internal_routes(app, state, config, api, read_json)
+        app.state.disaggregation = add_internal_routes(app, state, config, key_check(internal_key), read_json)
     return app
