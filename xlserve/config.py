@@ -15,8 +15,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 
 
-def _opt(default, help: str, **extra):
-    return field(default=default, metadata={"help": help, **extra})
+def _opt(default, help: str, secret: bool = False, **extra):
+    return field(default=default, metadata={"help": help, **extra}, repr=not secret)
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,17 @@ class EngineConfig:
         return cls(**parts)
 
 
+def parse_peers(text: str) -> set[tuple[str, int]]:
+    """``host:port,host:port`` (``--kv-peers``) as a set of addresses."""
+    peers = set()
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        host, _, port = item.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"a KV peer must be host:port, got {item!r}")
+        peers.add((host.strip("[]"), int(port)))
+    return peers
+
+
 @dataclass(frozen=True)
 class SupervisorConfig:
     """How ``xlserve serve`` keeps its workers alive."""
@@ -132,11 +143,11 @@ class ServerConfig:
     port: int = _opt(8000, "TCP port to listen on.")
     api_key: str = _opt("", "If set, every /v1 request must send 'Authorization: Bearer <key>'. A flag "
                         "shows the key to anyone who lists processes: prefer XLSERVE_API_KEY in the "
-                        "environment or --api-key-file.")
+                        "environment or --api-key-file.", secret=True)
     api_key_file: str = _opt("", "File whose first line is the API key (see --api-key).")
     internal_api_key: str = _opt("", "Key of the internal endpoints between router and workers; empty: the "
                                  "API key guards them too. Read from XLSERVE_INTERNAL_API_KEY or "
-                                 "--internal-api-key-file, never from a flag.", cli=False)
+                                 "--internal-api-key-file, never from a flag.", secret=True, cli=False)
     internal_api_key_file: str = _opt("", "File whose first line is the internal key (router and workers).")
     allowed_hosts: str = _opt("", "Comma-separated Host names answered besides loopback ones when bound to "
                               "a loopback address ('*': any). Guards against DNS rebinding.")
@@ -150,6 +161,8 @@ class ServerConfig:
     kv_transport: str = _opt("tcp", "How KV blocks travel between workers.")
     kv_host: str = _opt("127.0.0.1", "Address the KV transfer server binds (prefill role).")
     kv_port: int = _opt(0, "Port of the KV transfer server; 0 picks a free one.")
+    kv_peers: str = _opt("", "Comma-separated host:port of KV servers this worker may always pull from, "
+                         "besides those its router registers (POST /internal/kv/peers).")
     kv_pin_seconds: float = _opt(30.0, "How long exported KV blocks stay pinned for a decode worker to pull.")
     kv_pull_timeout: float = _opt(10.0, "Seconds a decode worker waits for a KV pull.")
     kv_pull_failure: str = _opt("recompute", "When a KV pull fails: recompute the prefill here, or fail.",
@@ -170,6 +183,7 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if not 0 < self.kv_pin_seconds <= 600:
             raise ValueError(f"kv_pin_seconds must be in (0, 600], got {self.kv_pin_seconds}")
+        parse_peers(self.kv_peers)
         if not 0 < self.worker_timeout <= 3600:
             raise ValueError(f"worker_timeout must be in (0, 3600], got {self.worker_timeout}")
         if not 0 < self.hang_timeout <= 3600:

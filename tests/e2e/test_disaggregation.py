@@ -18,6 +18,9 @@ SAMPLING = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
 def workers():
     common = ("--dtype", "float32", "--log-level", "warning")
     with running_server("--role", "prefill", *common) as p, running_server("--role", "decode", *common) as d:
+        kv = httpx.get(f"{p}/internal/info").json()["kv"]  # what a router registers with its decode workers
+        assert httpx.post(f"{d}/internal/kv/peers", json={"peers": [{"host": kv["host"], "port": kv["port"]}]},
+                          ).json() == {"peers": 1}
         yield p, d
 
 
@@ -82,7 +85,7 @@ def test_failed_pull_recomputes_or_fails_and_leaves_no_pin(workers):
     ids = _ids(p)[:-3] + [40, 41, 42]
     colocated = _generate(p, prompt_token_ids=ids, sampling=SAMPLING).json()["token_ids"]
     first = _generate(p, prompt_token_ids=ids, sampling=SAMPLING, kv_export=True).json()
-    broken = {**first["kv"], "port": 1}  # nothing listens there
+    broken = {**first["kv"], "secret": "0" * 32}  # a registered server that refuses this secret
     resume = {"resume_token_ids": first["token_ids"], "sampling": SAMPLING}
     recomputed = _generate(d, prompt_token_ids=ids, kv_import=broken, on_pull_failure="recompute", **resume).json()
     assert recomputed["kv_import"]["error"] and recomputed["kv_import"]["blocks"] == 0
@@ -105,3 +108,25 @@ def test_roles_and_bad_internal_requests(workers):
     assert _generate(d, prompt_token_ids=[10 ** 9]).status_code == 400
     too_many = _generate(d, prompt_token_ids=[1, 2], resume_token_ids=[5, 6], sampling={"max_tokens": 2})
     assert too_many.status_code == 400 and "leave nothing to generate" in too_many.json()["error"]["message"]
+
+
+def test_unregistered_kv_servers_and_foreign_blocks_are_refused_before_any_connection(workers):
+    import socket
+    p, d = workers
+    ids = _ids(p)[:-3] + [50, 51, 52]
+    first = _generate(p, prompt_token_ids=ids, sampling=SAMPLING, kv_export=True).json()
+    resume = {"resume_token_ids": first["token_ids"], "sampling": SAMPLING, "on_pull_failure": "recompute"}
+    with socket.socket() as listener:  # records any connection made to it
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        listener.setblocking(False)
+        rogue = {**first["kv"], "port": listener.getsockname()[1]}
+        out = _generate(d, prompt_token_ids=ids, kv_import=rogue, **resume).json()
+        assert "not a registered KV server" in out["kv_import"]["error"] and out["kv_import"]["blocks"] == 0
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody connected
+    other = _generate(d, prompt_token_ids=ids[:-20] + [60] * 20, kv_import=first["kv"], **resume).json()
+    assert "not this prompt's" in other["kv_import"]["error"]  # would have entered the cache under its hashes
+    httpx.post(f"{p}/internal/kv/release", json={"pin_id": first["kv"]["pin_id"]})
+    _wait_unpinned(p)
+    assert metric(d, "xlserve_kv_blocks_used") == 0

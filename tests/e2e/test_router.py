@@ -42,6 +42,9 @@ def test_pd_greedy_equals_colocated_streamed_and_not(cluster):
         usage = chunk.usage or usage
     assert text == colocated
     assert usage.completion_tokens == routed.usage.completion_tokens
+    # the decode worker pulled the KV (the router registered the prefill's KV server with it)
+    assert metric(cluster["router"], "xlserve_kv_transfer_bytes_total") > 0
+    assert metric(cluster["router"], "xlserve_kv_transfer_failures_total") == 0
     assert metric(cluster["p"], "xlserve_kv_blocks_used") == 0  # pins released
     assert metric(cluster["d"], "xlserve_kv_blocks_used") == 0
 

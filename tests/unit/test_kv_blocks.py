@@ -60,13 +60,24 @@ def test_pins_hold_blocks_until_released_or_expired(tiny_llama_dir):
     engine = llm.engine
     llm.generate(PROMPT, SamplingParams(max_tokens=1))
     hashes = engine.prompt_block_hashes(PROMPT)
-    pin_id, n = engine.pin_kv(hashes, seconds=60)
-    assert n == 4 and engine.stats()["kv_blocks_used"] == 4
+    grant = engine.pin_kv(hashes, seconds=60)
+    assert grant.block_hashes == hashes[:4] and engine.stats()["kv_blocks_used"] == 4
+    assert len(grant.secret) == 32 and grant.secret != grant.pin_id  # 128 random bits, not the name
     llm.generate([5] * 60, SamplingParams(max_tokens=1))  # needs 4 blocks: only the unpinned ones are free
     assert len(engine.export_kv(hashes).block_hashes) == 4  # the pinned prefix survived
-    assert engine.unpin_kv(pin_id) and not engine.unpin_kv(pin_id)
+    payload = engine.export_pinned_kv(grant.pin_id, grant.secret, hashes[:3])
+    assert payload.block_hashes == hashes[:3]
+    for pin_id, secret, asked, why in [(grant.pin_id, "0" * 32, hashes[:4], "no pin with that id and secret"),
+                                       ("nope", grant.secret, hashes[:4], "no pin"),
+                                       (grant.pin_id, grant.secret, hashes[1:3], "not the first"),
+                                       (grant.pin_id, grant.secret, hashes[:4] + hashes[:1], "not the first 5")]:
+        with pytest.raises(PermissionError, match=why):
+            engine.export_pinned_kv(pin_id, secret, asked)
+    assert engine.unpin_kv(grant.pin_id) and not engine.unpin_kv(grant.pin_id)
     assert engine.stats()["kv_blocks_used"] == 0
-    pin_id, _ = engine.pin_kv(hashes, seconds=60)
+    with pytest.raises(PermissionError):  # a released pin opens nothing
+        engine.export_pinned_kv(grant.pin_id, grant.secret, hashes[:1])
+    pin_id = engine.pin_kv(hashes, seconds=60).pin_id
     assert engine.kv_store.expire_pins(now=float("inf")) == 1
     assert engine.stats()["kv_blocks_used"] == 0 and engine.stats()["kv_pins"] == 0
     with pytest.raises(ValueError, match="pin time"):
@@ -78,7 +89,7 @@ def test_import_into_a_full_pool_stops_early(tiny_llama_dir):
     src.generate(PROMPT, SamplingParams(max_tokens=1))
     payload = src.engine.export_kv(src.engine.prompt_block_hashes(PROMPT))
     dst = _llm(tiny_llama_dir, num_kv_blocks=6, block_size=16)
-    pin_id, _ = dst.engine.pin_kv([], seconds=1)
+    pin_id = dst.engine.pin_kv([], seconds=1).pin_id
     held = dst.engine.scheduler.kv.pool.allocate(4)  # leave 2 free blocks
     assert dst.engine.import_kv(payload) == 2
     dst.engine.scheduler.kv.pool.free(held)

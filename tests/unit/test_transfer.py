@@ -1,11 +1,15 @@
-"""The TCP KV transport between two real engines on 127.0.0.1, and its failure modes."""
+"""The TCP KV transport between two real engines on 127.0.0.1: pins are capabilities,
+and the puller trusts nothing a peer sends (fake peers on real sockets)."""
 
+import json
 import socket
 import threading
+import time
 
 import pytest
 
 from xlserve import LLM, SamplingParams
+from xlserve.transfer import tcp
 from xlserve.transfer.base import TransferError, transport
 
 PROMPT = list(range(30, 100))
@@ -16,61 +20,129 @@ def _llm(path):
     return LLM(path, dtype="float32", kv_cache_tokens=1024)
 
 
-def test_pull_over_tcp_gives_identical_output(tiny_llama_dir):
-    server_cls, client_cls = transport("tcp")
-    prefill, decode = _llm(tiny_llama_dir), _llm(tiny_llama_dir)
-    expected = _llm(tiny_llama_dir).generate(PROMPT, GREEDY)[0].outputs[0].token_ids
-    prefill.generate(PROMPT, SamplingParams(max_tokens=1))
-    lock = threading.Lock()  # the engine is single-threaded; the worker routes this through its engine thread
+@pytest.fixture
+def prefill(tiny_llama_dir):
+    """A prefill engine holding PROMPT's blocks, its pin, and a KV server in front of it."""
+    llm = _llm(tiny_llama_dir)
+    llm.generate(PROMPT, SamplingParams(max_tokens=1))
+    grant = llm.engine.pin_kv(llm.engine.prompt_block_hashes(PROMPT), 60)
+    lock = threading.Lock()  # the engine is single-threaded; a worker routes this through its engine thread
 
-    def export(hashes):
+    def export(pin_id, secret, hashes):
         with lock:
-            return prefill.engine.export_kv(hashes)
-    server = server_cls(export)
+            return llm.engine.export_pinned_kv(pin_id, secret, hashes)
+    server = tcp.TCPTransportServer(export)
     address = server.start()
+    handle = {**address, "pin_id": grant.pin_id, "secret": grant.secret,
+              "block_hashes": [h.hex() for h in grant.block_hashes]}
+    yield llm, handle
+    server.stop()
+
+
+def test_pull_over_tcp_gives_identical_output(tiny_llama_dir, prefill):
+    llm, handle = prefill
+    decode = _llm(tiny_llama_dir)
+    expected = _llm(tiny_llama_dir).generate(PROMPT, GREEDY)[0].outputs[0].token_ids
+    payload = tcp.TCPTransportClient().pull(handle, 10, decode.engine.kv_store.layout)
+    assert len(payload.block_hashes) == 4
+    assert decode.engine.import_kv(payload) == 4
+    out = decode.generate(PROMPT, GREEDY)[0]
+    assert out.cached_tokens == 64 and out.outputs[0].token_ids == expected
+
+
+def test_a_pull_needs_the_pins_secret_and_gets_only_its_blocks(prefill):
+    llm, handle = prefill
+    layout, client = llm.engine.kv_store.layout, tcp.TCPTransportClient()
+    for bad, why in [({**handle, "secret": "0" * 32}, "no pin with that id and secret"),
+                     ({**handle, "secret": ""}, "no pin"),
+                     ({**handle, "pin_id": "guessed"}, "no pin"),
+                     ({**handle, "block_hashes": handle["block_hashes"][1:]}, "are not the first 3"),
+                     ({**handle, "block_hashes": handle["block_hashes"] + ["00" * 8]}, "are not the first 5")]:
+        with pytest.raises(TransferError, match=why):
+            client.pull(bad, 5, layout)
+    with pytest.raises(TransferError, match="bad KV handle"):
+        client.pull({k: v for k, v in handle.items() if k != "secret"}, 5, layout)
+    assert len(client.pull(handle, 5, layout).block_hashes) == 4  # the right secret still works
+
+
+class FakePeer:
+    """A KV server that answers every pull with ``answer(request) -> bytes`` (then stalls)."""
+
+    def __init__(self, answer):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port, self.answer, self.conns = self.sock.getsockname()[1], answer, []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            request = json.loads(conn.makefile("rb").readline())
+            conn.sendall(self.answer(request))  # and never closes: a stalling peer
+
+    def close(self):
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+def _header(request, ours, **override):
+    header = {"ok": True, "layout": ours.to_json(), "block_hashes": request["block_hashes"],
+              "nbytes": len(request["block_hashes"]) * ours.block_bytes, **override}
+    return json.dumps(header).encode() + b"\n"
+
+
+def test_the_puller_refuses_what_it_did_not_ask_for_within_the_deadline(prefill):
+    llm, handle = prefill
+    layout = llm.engine.kv_store.layout
+    other_layout = {**layout.to_json(), "num_kv_heads": layout.num_kv_heads * 2}
+    cases = {
+        "other blocks than those asked": lambda r: _header(r, layout, block_hashes=r["block_hashes"][:1]),
+        "layout": lambda r: _header(r, layout, layout=other_layout),
+        "announces": lambda r: _header(r, layout, nbytes=10**12),  # oversized: refused before reading
+        "timed out with": lambda r: _header(r, layout) + b"\0" * 100,  # short payload, then a stall
+        "timed out": lambda r: b'{"ok": true, "lay',  # stalls mid-header
+        "header is not JSON": lambda r: b"\xff\xfe garbage\n",
+    }
+    for why, answer in cases.items():
+        peer = FakePeer(answer)
+        try:
+            began = time.monotonic()
+            with pytest.raises(TransferError, match=why):
+                tcp.TCPTransportClient().pull({**handle, "port": peer.port}, 1.0, layout)
+            assert time.monotonic() - began < 2.0, why  # the deadline held
+        finally:
+            peer.close()
+
+
+def test_idle_connections_neither_block_pulls_nor_hold_server_threads(prefill, monkeypatch):
+    llm, handle = prefill
+    monkeypatch.setattr(tcp, "CONNECTION_TIMEOUT_S", 0.5)
+    idle = [socket.create_connection((handle["host"], handle["port"])) for _ in range(100)]
     try:
-        handle = {**address, "block_hashes": [h.hex() for h in prefill.engine.prompt_block_hashes(PROMPT)]}
-        payload = client_cls().pull(handle, timeout=10)
-        assert len(payload.block_hashes) == 4
-        assert decode.engine.import_kv(payload) == 4
-        out = decode.generate(PROMPT, GREEDY)[0]
-        assert out.cached_tokens == 64 and out.outputs[0].token_ids == expected
+        began = time.monotonic()
+        payload = tcp.TCPTransportClient().pull(handle, 5, llm.engine.kv_store.layout)
+        assert len(payload.block_hashes) == 4 and time.monotonic() - began < 2
+        idle[0].settimeout(3)
+        answer = idle[0].makefile("rb").readline()  # the server gave up on it
+        assert b"timed out" in answer
     finally:
-        server.stop()
+        for s in idle:
+            s.close()
 
 
-def test_pull_failures_raise_transfer_error():
-    _, client_cls = transport("tcp")
+def test_pull_failures_raise_transfer_error(prefill):
+    llm, handle = prefill
+    layout = llm.engine.kv_store.layout
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead_port = s.getsockname()[1]
     with pytest.raises(TransferError, match="failed"):
-        client_cls().pull({"host": "127.0.0.1", "port": dead_port, "block_hashes": []}, timeout=2)
-    with pytest.raises(TransferError, match="bad KV handle"):
-        client_cls().pull({"host": "127.0.0.1"}, timeout=2)
-    # a peer that accepts and says nothing: the pull times out instead of hanging
-    silent = socket.socket()
-    silent.bind(("127.0.0.1", 0))
-    silent.listen(1)
-    try:
-        with pytest.raises(TransferError):
-            client_cls().pull({"host": "127.0.0.1", "port": silent.getsockname()[1], "block_hashes": []},
-                              timeout=0.5)
-    finally:
-        silent.close()
-
-
-def test_server_refuses_bad_requests(tiny_llama_dir):
-    server_cls, client_cls = transport("tcp")
-    server = server_cls(lambda hashes: (_ for _ in ()).throw(RuntimeError("engine says no")))
-    address = server.start()
-    try:
-        with pytest.raises(TransferError, match="peer refused: engine says no"):
-            client_cls().pull({**address, "block_hashes": []}, timeout=5)
-        with socket.create_connection((address["host"], address["port"]), timeout=5) as sock:
-            sock.sendall(b'{"block_hashes": ["zz"]}\n')
-            assert b"bad block hash" in sock.makefile("rb").readline()
-    finally:
-        server.stop()
+        tcp.TCPTransportClient().pull({**handle, "port": dead_port}, 2, layout)
     with pytest.raises(ValueError, match="unknown; available"):
         transport("carrier-pigeon")

@@ -16,7 +16,8 @@ def add_bench_parser(sub) -> None:
     e.add_argument("--model", default="default",
                    help="GGUF model (default: the bundled SmolLM2-135M), or a Hugging Face directory "
                         "(then without llama.cpp)")
-    e.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="xlserve dtype")
+    e.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                   help="xlserve dtype; auto as in serving: bfloat16 where the CPU has bf16 math, else float32")
     e.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="device of xlserve and transformers (auto: cuda when present)")
     e.add_argument("--threads", type=int, default=2, help="threads for every system")

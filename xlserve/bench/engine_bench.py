@@ -37,7 +37,7 @@ ROWS = [  # key, label, higher is better
 @dataclass(frozen=True)
 class BenchOptions:
     model: str = "default"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     device: str = "auto"  # xlserve and transformers; llama.cpp here is the CPU build
     threads: int = 2
     systems: tuple[str, ...] = SYSTEMS

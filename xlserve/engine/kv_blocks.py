@@ -4,12 +4,17 @@ prefill/decode disaggregation and of KV tiers).
 Export reads the longest cached prefix of a hash chain; import writes blocks into free
 slots of the pool and publishes them in the prefix cache, so the next request with that
 prefix gets a prefix hit and computes only the rest. Pins hold exported blocks for a
-bounded time so they cannot be evicted before a peer pulls them. Data is raw tensor
-bytes with a plain-JSON description; nothing is pickled.
+bounded time so they cannot be evicted before a peer pulls them, and a pin is a
+capability: only a caller holding its random secret can read its blocks, and only
+those (block hashes come from token ids, so serving bare hashes would let anyone who
+guesses a prompt test for it and read its KV). Data is raw tensor bytes with a
+plain-JSON description; nothing is pickled.
 """
 
 from __future__ import annotations
 
+import hmac
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -64,6 +69,14 @@ class KVPayload:
 class Pin:
     blocks: list[KVBlock]
     expires: float
+    secret: str  # 128 random bits, hex: whoever holds it may read these blocks
+
+
+@dataclass(frozen=True)
+class PinGrant:
+    pin_id: str  # names the pin (release, logs); not a capability
+    secret: str
+    block_hashes: list[BlockHash]  # the pinned prefix, in order
 
 
 @dataclass
@@ -86,9 +99,23 @@ class KVBlockStore:
             blocks.append(block)
         return blocks
 
+    def export_pinned(self, pin_id: str, secret: str, hashes: list[BlockHash]) -> KVPayload:
+        """The blocks of pin ``pin_id`` named by ``hashes`` (a prefix of the pin), for the
+        holder of its secret; anything else is refused with ``PermissionError``."""
+        pin = self.pins.get(pin_id)
+        if pin is None or not hmac.compare_digest(pin.secret.encode(), str(secret).encode()):
+            raise PermissionError("no pin with that id and secret (expired, released or never granted)")
+        pinned = [b.block_hash for b in pin.blocks]
+        if list(hashes) != pinned[:len(hashes)]:
+            raise PermissionError(f"the blocks asked for are not the first {len(hashes)} of the pin's "
+                                  f"{len(pinned)}")
+        return self._export(pin.blocks[:len(hashes)])
+
     def export(self, hashes: list[BlockHash]) -> KVPayload:
-        """The longest cached prefix of ``hashes`` (possibly empty)."""
-        blocks = self.cached_prefix(hashes)
+        """The longest cached prefix of ``hashes`` (possibly empty); local use only."""
+        return self._export(self.cached_prefix(hashes))
+
+    def _export(self, blocks: list[KVBlock]) -> KVPayload:
         if not blocks:
             return KVPayload(self.layout, [], b"")
         ids = torch.tensor([b.block_id for b in blocks], device=self.kv_caches[0][0].device)
@@ -127,15 +154,15 @@ class KVBlockStore:
         self.pool.free(list(reversed(held)))  # cached and evictable, like a finished request's blocks
         return imported
 
-    def pin(self, hashes: list[BlockHash], seconds: float) -> tuple[str, int]:
-        """Hold the cached prefix of ``hashes`` for at most ``seconds``; returns (pin id, blocks)."""
+    def pin(self, hashes: list[BlockHash], seconds: float) -> PinGrant:
+        """Hold the cached prefix of ``hashes`` for at most ``seconds``."""
         if not 0 < seconds <= MAX_PIN_SECONDS:
             raise ValueError(f"pin time must be in (0, {MAX_PIN_SECONDS}] seconds, got {seconds}")
         blocks = self.cached_prefix(hashes)
         self.pool.touch(blocks)
-        pin_id = uuid.uuid4().hex
-        self.pins[pin_id] = Pin(blocks, time.monotonic() + seconds)
-        return pin_id, len(blocks)
+        grant = PinGrant(uuid.uuid4().hex, secrets.token_hex(16), [b.block_hash for b in blocks])
+        self.pins[grant.pin_id] = Pin(blocks, time.monotonic() + seconds, grant.secret)
+        return grant
 
     def unpin(self, pin_id: str) -> bool:
         pin = self.pins.pop(pin_id, None)

@@ -16,7 +16,7 @@ from xlserve.config import EngineConfig
 from xlserve.engine.detokenizer import Detokenizer
 from xlserve.engine.errors import FATAL_ERRORS, describe
 from xlserve.engine.guided import GuidedDecoding
-from xlserve.engine.kv_blocks import DTYPE_NAMES, KVBlockStore, KVLayout, KVPayload
+from xlserve.engine.kv_blocks import DTYPE_NAMES, KVBlockStore, KVLayout, KVPayload, PinGrant
 from xlserve.hashing import BlockHash, block_hashes
 from xlserve.engine.model_runner import ModelRunner, RunnerOutput
 from xlserve.engine.outputs import CompletionOutput, RequestOutput
@@ -200,12 +200,16 @@ class LLMEngine:
         return block_hashes(list(prompt_ids), self.block_size, self.extra_key)
 
     def export_kv(self, hashes: list[BlockHash]) -> KVPayload:
+        """The cached prefix of ``hashes``; local use (a peer reads through ``export_pinned_kv``)."""
         return self.kv_store.export(hashes)
+
+    def export_pinned_kv(self, pin_id: str, secret: str, hashes: list[BlockHash]) -> KVPayload:
+        return self.kv_store.export_pinned(pin_id, secret, hashes)
 
     def import_kv(self, payload: KVPayload) -> int:
         return self.kv_store.import_(payload)
 
-    def pin_kv(self, hashes: list[BlockHash], seconds: float) -> tuple[str, int]:
+    def pin_kv(self, hashes: list[BlockHash], seconds: float) -> PinGrant:
         return self.kv_store.pin(hashes, seconds)
 
     def unpin_kv(self, pin_id: str) -> bool:

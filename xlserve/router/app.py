@@ -85,6 +85,8 @@ def build_router_app(opts: RouterOptions, config: ServerConfig):
 
     @app.on_event("startup")
     async def _health():
+        await asyncio.gather(*(pool.check(w) for w in pool.workers))
+        await pool.sync_kv_peers()  # before the first request: decode workers know whom to pull from
         app.state.health_task = asyncio.create_task(pool.health_loop(opts.health_interval, index))
 
     @app.get("/router/workers", dependencies=app.state.api_dependencies if config.metrics_need_key else [])

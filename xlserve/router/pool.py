@@ -23,6 +23,12 @@ class Worker:
     last_check: float = field(default_factory=time.monotonic)
     kv_seq: int = 0  # KV events read so far, and the worker's epoch they belong to
     kv_epoch: str = ""
+    kv_server: tuple[str, int] | None = None  # its KV transfer server (prefill roles), read from /internal/info
+    peers_sent: frozenset | None = None  # KV servers last registered with it (decode roles)
+
+    def forget_process(self) -> None:
+        """It may come back as a new process: with another KV port, without registrations."""
+        self.kv_server, self.peers_sent = None, None
 
     @property
     def load(self) -> int:
@@ -54,6 +60,7 @@ class WorkerPool:
             log.warning("worker %s marked down: %s", worker.url, why)
         worker.healthy = False
         worker.failures += 1
+        worker.forget_process()
 
     async def check(self, worker: Worker) -> None:
         try:
@@ -62,7 +69,30 @@ class WorkerPool:
             ok = False
         if ok and not worker.healthy:
             log.info("worker %s is back", worker.url)
+        if not ok:
+            worker.forget_process()
         worker.healthy, worker.last_check = ok, time.monotonic()
+
+    async def sync_kv_peers(self) -> None:
+        """Tell every decode worker which KV servers it may pull from: those of the prefill
+        workers (a decode worker refuses a handle naming any other address)."""
+        for w in self.workers:
+            if w.healthy and w.role in ("prefill", "both") and w.kv_server is None:
+                try:
+                    kv = (await self.http.get(f"{w.url}/internal/info", timeout=5)).json().get("kv")
+                    w.kv_server = (str(kv["host"]), int(kv["port"])) if kv else None
+                except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+                    log.debug("KV server of %s: %s", w.url, e)
+        peers = frozenset(w.kv_server for w in self.workers if w.kv_server is not None)
+        for w in self.workers:
+            if w.healthy and w.role in ("decode", "both") and w.peers_sent != peers:
+                body = {"peers": [{"host": h, "port": p} for h, p in sorted(peers)]}
+                try:
+                    r = await self.http.post(f"{w.url}/internal/kv/peers", json=body, timeout=5)
+                    if r.status_code == 200:
+                        w.peers_sent = peers
+                except httpx.HTTPError as e:
+                    log.debug("registering KV peers with %s: %s", w.url, e)
 
     async def poll_events(self, worker: Worker, index) -> None:
         if not worker.healthy:
@@ -80,6 +110,7 @@ class WorkerPool:
     async def health_loop(self, interval: float, index=None) -> None:
         while True:
             await asyncio.gather(*(self.check(w) for w in self.workers))
+            await self.sync_kv_peers()
             if index is not None:
                 await asyncio.gather(*(self.poll_events(w, index) for w in self.workers))
             await asyncio.sleep(interval)

@@ -1,9 +1,14 @@
 """The built-in KV transport: one TCP connection per pull.
 
-Request: one JSON line ``{"block_hashes": [hex, ...]}``. Answer: one JSON line
-``{"ok": true, "layout": {...}, "block_hashes": [...], "nbytes": N}`` followed by exactly
-N raw bytes, or ``{"ok": false, "error": "..."}``. Lines, hash counts and payload sizes
-are bounded; nothing is unpickled.
+Request: one JSON line ``{"pin_id": ..., "secret": ..., "block_hashes": [hex, ...]}``.
+Answer: one JSON line ``{"ok": true, "layout": {...}, "block_hashes": [...], "nbytes": N}``
+followed by exactly N raw bytes, or ``{"ok": false, "error": "..."}``. Only the holder of
+a pin's secret gets that pin's blocks. The puller trusts nothing it reads: the answer
+must name exactly the blocks asked for, in the layout asked for, with exactly the bytes
+that layout needs (checked before a payload byte is read), and every read shares one
+deadline, so a peer that stalls mid-header or mid-payload is cut at it. The server gives
+each connection a bounded time too: an idle connection never holds a thread forever.
+Nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import logging
 import socket
 import socketserver
 import threading
+import time
 
 from xlserve.engine.kv_blocks import KVLayout, KVPayload
 from xlserve.transfer.base import ExportFn, KVTransportClient, KVTransportServer, TransferError
@@ -20,16 +26,48 @@ from xlserve.transfer.base import ExportFn, KVTransportClient, KVTransportServer
 log = logging.getLogger(__name__)
 MAX_LINE = 4 * 1024 * 1024
 MAX_BLOCKS = 65536
-MAX_PAYLOAD = 16 * 1024 ** 3
+CONNECTION_TIMEOUT_S = 10.0  # the server's bound on one connection's request and answer
 
 
-def _read_line(stream) -> dict:
-    line = stream.readline(MAX_LINE + 1)
-    if not line or len(line) > MAX_LINE or not line.endswith(b"\n"):
-        raise TransferError("missing, oversized or unterminated header line")
+class _DeadlineReader:
+    """Reads from a socket; every byte by one deadline (a trickling peer cannot stretch it)."""
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        self.sock, self.deadline, self.buffer = sock, deadline, bytearray()
+
+    def _fill(self, want: int) -> None:
+        while len(self.buffer) < want:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TransferError(f"timed out with {len(self.buffer)} of {want} bytes read")
+            self.sock.settimeout(left)
+            try:
+                chunk = self.sock.recv(min(want - len(self.buffer), 1 << 20))
+            except socket.timeout as e:
+                raise TransferError(f"timed out with {len(self.buffer)} of {want} bytes read") from e
+            if not chunk:
+                raise TransferError(f"connection closed after {len(self.buffer)} of {want} bytes")
+            self.buffer += chunk
+
+    def line(self) -> dict:
+        while b"\n" not in self.buffer:
+            if len(self.buffer) > MAX_LINE:
+                raise TransferError("oversized header line")
+            self._fill(len(self.buffer) + 1)
+        end = self.buffer.index(b"\n")
+        line, self.buffer = bytes(self.buffer[:end]), self.buffer[end + 1:]
+        return _json_object(line)
+
+    def exactly(self, n: int) -> bytes:
+        self._fill(n)
+        data, self.buffer = bytes(self.buffer[:n]), self.buffer[n:]
+        return data
+
+
+def _json_object(line: bytes) -> dict:
     try:
         value = json.loads(line)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise TransferError(f"header is not JSON: {e}") from e
     if not isinstance(value, dict):
         raise TransferError("header is not a JSON object")
@@ -53,19 +91,24 @@ class TCPTransportServer(KVTransportServer):
     def start(self) -> dict:
         export = self.export
 
-        class Handler(socketserver.StreamRequestHandler):
+        class Handler(socketserver.BaseRequestHandler):
             def handle(self):
+                sock: socket.socket = self.request
+                deadline = time.monotonic() + CONNECTION_TIMEOUT_S
                 try:
-                    request = _read_line(self.rfile)
-                    payload = export(_hashes(request.get("block_hashes")))
+                    request = _DeadlineReader(sock, deadline).line()
+                    payload = export(str(request.get("pin_id", "")), str(request.get("secret", "")),
+                                     _hashes(request.get("block_hashes")))
                     header = {"ok": True, "layout": payload.layout.to_json(), "nbytes": len(payload.data),
                               "block_hashes": [h.hex() for h in payload.block_hashes]}
-                    self.wfile.write(json.dumps(header).encode() + b"\n")
-                    self.wfile.write(payload.data)
+                    sock.settimeout(max(0.1, deadline - time.monotonic()))
+                    sock.sendall(json.dumps(header).encode() + b"\n")
+                    sock.sendall(payload.data)
                 except Exception as e:  # answer the peer instead of dropping it
-                    log.warning("KV pull from %s failed: %s", self.client_address, e)
+                    log.warning("KV pull from %s refused: %s", self.client_address, e)
                     try:
-                        self.wfile.write(json.dumps({"ok": False, "error": str(e)}).encode() + b"\n")
+                        sock.settimeout(1.0)
+                        sock.sendall(json.dumps({"ok": False, "error": str(e)}).encode() + b"\n")
                     except OSError:
                         pass
 
@@ -84,30 +127,42 @@ class TCPTransportServer(KVTransportServer):
 
 
 class TCPTransportClient(KVTransportClient):
-    def pull(self, handle: dict, timeout: float) -> KVPayload:
+    def pull(self, handle: dict, timeout: float, layout: KVLayout) -> KVPayload:
+        deadline = time.monotonic() + timeout
         try:
             host, port = str(handle["host"]), int(handle["port"])
-            hashes = [h.hex() if isinstance(h, bytes) else str(h) for h in handle["block_hashes"]]
+            request = {"pin_id": str(handle["pin_id"]), "secret": str(handle["secret"]),
+                       "block_hashes": [str(h) for h in handle["block_hashes"]]}
+            asked = _hashes(request["block_hashes"])
         except (KeyError, TypeError, ValueError) as e:
-            raise TransferError(f"bad KV handle: {e}") from e
+            raise TransferError(f"bad KV handle: {type(e).__name__} {e}") from e
         try:
             with socket.create_connection((host, port), timeout=timeout) as sock:
-                sock.settimeout(timeout)
-                stream = sock.makefile("rwb")
-                stream.write(json.dumps({"block_hashes": hashes}).encode() + b"\n")
-                stream.flush()
-                header = _read_line(stream)
+                sock.sendall(json.dumps(request).encode() + b"\n")
+                reader = _DeadlineReader(sock, deadline)
+                header = reader.line()
                 if not header.get("ok"):
                     raise TransferError(f"peer refused: {header.get('error', 'no reason given')}")
-                nbytes = int(header["nbytes"])
-                if not 0 <= nbytes <= MAX_PAYLOAD:
-                    raise TransferError(f"payload of {nbytes} bytes is out of bounds")
-                data = stream.read(nbytes)
-                if len(data) != nbytes:
-                    raise TransferError(f"connection closed after {len(data)} of {nbytes} bytes")
-                layout = KVLayout(**header["layout"])
-                return KVPayload(layout, _hashes(header["block_hashes"]), data)
+                nbytes = _check_header(header, asked, layout)
+                return KVPayload(layout, asked, reader.exactly(nbytes))
         except TransferError:
             raise
         except (OSError, ValueError, TypeError, KeyError) as e:
-            raise TransferError(f"KV pull from {handle.get('host')}:{handle.get('port')} failed: {e}") from e
+            raise TransferError(f"KV pull from {host}:{port} failed: {type(e).__name__} {e}") from e
+
+
+def _check_header(header: dict, asked: list[bytes], layout: KVLayout) -> int:
+    """The payload size the answer may have: exactly what was asked, in our layout."""
+    try:
+        theirs = KVLayout(**header["layout"])
+    except (KeyError, TypeError) as e:
+        raise TransferError(f"the answer's layout is malformed: {e}") from e
+    if theirs != layout:
+        raise TransferError(f"the answer's layout {theirs} is not ours {layout}")
+    if _hashes(header.get("block_hashes")) != asked:
+        raise TransferError("the answer names other blocks than those asked for")
+    expected = len(asked) * layout.block_bytes
+    if header.get("nbytes") != expected:
+        raise TransferError(f"the answer announces {header.get('nbytes')!r} bytes; {len(asked)} blocks "
+                            f"need {expected}")
+    return expected

@@ -9,6 +9,9 @@
   itself, or fails, as the policy says. ``resume_token_ids`` (the prefill's output)
   makes the decode side continue that answer exactly as one worker would.
 - ``POST /internal/kv/release``: unpin exported blocks once the decode side has them.
+- ``POST /internal/kv/peers``: the KV servers this worker may pull from (the router
+  registers its prefill workers'; ``--kv-peers`` adds fixed ones). A handle naming any
+  other address is refused before a connection is made.
 - ``GET /internal/kv/events?since=N&epoch=E``: block hashes stored/removed since N, or a
   snapshot when the reader cannot be caught up.
 - ``GET /internal/info``: role, model, block size and KV transfer address.
@@ -23,7 +26,7 @@ from typing import Literal
 from fastapi import FastAPI, Request
 from pydantic import Field
 
-from xlserve.config import ServerConfig
+from xlserve.config import ServerConfig, parse_peers
 from xlserve.engine.request import HandOff
 from xlserve.sampling_params import GuidedSpec, SamplingParams
 from xlserve.transfer.base import TransferError, transport
@@ -69,6 +72,15 @@ class KVRelease(Strict):
     pin_id: str = Field(max_length=64)
 
 
+class KVPeer(Strict):
+    host: str = Field(max_length=255)
+    port: int = Field(ge=1, le=65535)
+
+
+class KVPeers(Strict):
+    peers: list[KVPeer] = Field(max_length=1024)
+
+
 class Disaggregation:
     """The worker's side of the P -> D hand-off: a transfer server (prefill) or client (decode)."""
 
@@ -76,22 +88,42 @@ class Disaggregation:
         self.state, self.config = state, config
         server_cls, client_cls = transport(config.kv_transport)
         self.client = client_cls()
+        self.fixed_peers = parse_peers(config.kv_peers)
+        self.registered_peers: set[tuple[str, int]] = set()  # set by the router
         self.server = None
         self.address: dict | None = None
         if config.role in ("prefill", "both"):
             engine = state.async_engine
-            self.server = server_cls(lambda hashes: engine.call_blocking(lambda e, h: e.export_kv(h), hashes),
-                                     config.kv_host, config.kv_port)
+
+            def export(pin_id, secret, hashes):
+                return engine.call_blocking(lambda e, *args: e.export_pinned_kv(*args), pin_id, secret, hashes)
+            self.server = server_cls(export, config.kv_host, config.kv_port)
             self.address = self.server.start()
 
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop()
 
-    async def pull(self, handle: dict, policy: str) -> dict:
-        start = time.monotonic()
+    def _check_handle(self, handle: dict, prompt_hashes: list) -> None:
+        """Refuse, before any connection, a handle to an unknown server or naming blocks
+        that are not this prompt's (they would enter the prefix cache under its hashes)."""
         try:
-            payload = await asyncio.to_thread(self.client.pull, handle, self.config.kv_pull_timeout)
+            address = (str(handle["host"]), int(handle["port"]))
+            named = [bytes.fromhex(h) for h in handle["block_hashes"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise TransferError(f"bad KV handle: {type(e).__name__} {e}") from e
+        if address not in self.fixed_peers | self.registered_peers:
+            raise TransferError(f"{address[0]}:{address[1]} is not a registered KV server; refused")
+        if named != prompt_hashes[:len(named)]:
+            raise TransferError("the handle names blocks that are not this prompt's")
+
+    async def pull(self, handle: dict, policy: str, prompt_ids: list[int]) -> dict:
+        start = time.monotonic()
+        engine = self.state.engine
+        try:
+            self._check_handle(handle, await asyncio.to_thread(engine.prompt_block_hashes, prompt_ids))
+            payload = await asyncio.to_thread(self.client.pull, handle, self.config.kv_pull_timeout,
+                                              engine.kv_store.layout)
             blocks = await self.state.async_engine.call(lambda e, p: e.import_kv(p), payload)
             return {"blocks": blocks, "bytes": len(payload.data), "seconds": time.monotonic() - start, "error": None}
         except (TransferError, ValueError) as e:
@@ -105,11 +137,10 @@ class Disaggregation:
         engine = self.state.async_engine
 
         def pin(e, ids):
-            hashes = e.prompt_block_hashes(ids)
-            pin_id, n = e.pin_kv(hashes, self.config.kv_pin_seconds)
-            return pin_id, [h.hex() for h in hashes[:n]]
-        pin_id, hashes = await engine.call(pin, prompt_ids)
-        return {**self.address, "pin_id": pin_id, "block_hashes": hashes}
+            return e.pin_kv(e.prompt_block_hashes(ids), self.config.kv_pin_seconds)
+        grant = await engine.call(pin, prompt_ids)
+        return {**self.address, "pin_id": grant.pin_id, "secret": grant.secret,
+                "block_hashes": [h.hex() for h in grant.block_hashes]}
 
 
 def add_internal_routes(app: FastAPI, state: WorkerState, config: ServerConfig, api, read_json) -> Disaggregation:
@@ -125,6 +156,12 @@ def add_internal_routes(app: FastAPI, state: WorkerState, config: ServerConfig, 
     async def kv_events(since: int = 0, epoch: str = ""):
         return await state.async_engine.call(lambda e, s, ep: e.kv_events(s, ep), since, epoch[:64])
 
+    @app.post("/internal/kv/peers", dependencies=api)
+    async def peers(request: Request):
+        req = await read_json(request, KVPeers, config.max_body_bytes)
+        disagg.registered_peers = {(p.host, p.port) for p in req.peers}
+        return {"peers": len(disagg.registered_peers)}
+
     @app.post("/internal/kv/release", dependencies=api)
     async def release(request: Request):
         req = await read_json(request, KVRelease, config.max_body_bytes)
@@ -138,7 +175,8 @@ def add_internal_routes(app: FastAPI, state: WorkerState, config: ServerConfig, 
         params, handoff = _request_plan(req)
         pulled = None
         if req.kv_import is not None:
-            pulled = await disagg.pull(req.kv_import, req.on_pull_failure or config.kv_pull_failure)
+            pulled = await disagg.pull(req.kv_import, req.on_pull_failure or config.kv_pull_failure,
+                                       list(req.prompt_token_ids))
         run = RequestRun(req.request_id or new_id("int"), [ChoiceRun(0, list(req.prompt_token_ids), params,
                                                                          handoff=handoff)])
         events = await start_choices(state.async_engine, run, state.metrics)
