@@ -1,5 +1,7 @@
 """The fused CPU decode kernels against the eager torch code they replace."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -190,10 +192,46 @@ def test_build_falls_back_to_fewer_instruction_sets(monkeypatch, tmp_path):
     """A compiler that refuses the first flag set (an instruction set newer than it) still
     yields the library from the next one."""
     monkeypatch.setenv("XLSERVE_CACHE_DIR", str(tmp_path))
+    cpu_ops._cache_dir.cache_clear()
+    monkeypatch.setattr(cpu_ops, "_lib", None)
     good = cpu_ops._cflag_sets()[-1]
     monkeypatch.setattr(cpu_ops, "_cflag_sets", lambda: [good + ["-mno-such-instruction-set"], good])
     lib = cpu_ops._build()
+    cpu_ops._cache_dir.cache_clear()
     assert lib is not None and len(list(tmp_path.rglob("*.so"))) == 1
+
+
+@pytest.fixture
+def kernel_cache(monkeypatch, tmp_path):
+    """A kernel cache directory under test; the module's choice is recomputed around it."""
+    def use(path):
+        monkeypatch.setenv("XLSERVE_CACHE_DIR", str(path))
+        cpu_ops._cache_dir.cache_clear()
+    yield use
+    cpu_ops._cache_dir.cache_clear()
+
+
+@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="needs a C compiler")
+def test_a_library_planted_in_a_shared_cache_is_never_loaded(kernel_cache, tmp_path):
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    flags = cpu_ops._cflag_sets()[-1]
+    shared = tmp_path / "shared"
+    (shared / "kernels").mkdir(parents=True)
+    for folder in (shared, shared / "kernels"):
+        folder.chmod(0o777)  # anyone may write here
+    planted = shared / "kernels" / cpu_ops.library_name(flags)
+    planted.write_bytes(b"not ours")
+    kernel_cache(shared)
+    built = cpu_ops._compiled(compiler, flags)
+    assert built != planted and built.read_bytes()[:4] == b"\x7fELF" and cpu_ops._private(built.parent)
+    mine = tmp_path / "mine"  # a private cache with a group-writable file in it: rebuilt, not trusted
+    kernel_cache(mine)
+    stale = mine / "kernels" / cpu_ops.library_name(flags)
+    cpu_ops._cache_dir()
+    stale.write_bytes(b"not ours either")
+    stale.chmod(0o666)
+    assert cpu_ops._compiled(compiler, flags) == stale and stale.read_bytes()[:4] == b"\x7fELF"
+    assert cpu_ops._private(stale) and (mine / "kernels").stat().st_mode & 0o777 == 0o700
 
 
 @needs_kernels

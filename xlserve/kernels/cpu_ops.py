@@ -9,11 +9,14 @@ the eager torch code, which these kernels reproduce up to summation order.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
+import tempfile
 import threading
 from pathlib import Path
 
@@ -54,10 +57,34 @@ def set_enabled(enabled: bool) -> None:
     _enabled = enabled
 
 
+def _private(path: Path) -> bool:
+    """Owned by this user, not a symlink, writable by nobody else: what lies there is ours."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022 and not stat.S_ISLNK(st.st_mode)
+
+
+@functools.cache
 def _cache_dir() -> Path:
+    """The kernel cache, if it and its parent are private; else a fresh private temporary
+    directory (a library planted in a shared directory would run inside the server)."""
     base = os.environ.get("XLSERVE_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "xlserve")
-    return Path(base) / "kernels"
+    wanted = Path(base) / "kernels"
+    for folder in (wanted.parent, wanted):
+        try:
+            folder.mkdir(parents=True)
+            folder.chmod(0o700)  # what we create is private whatever the umask
+        except OSError:
+            pass  # exists (checked below) or cannot be made (then a temporary one is used)
+    if _private(wanted) and _private(wanted.parent):
+        return wanted
+    private = Path(tempfile.mkdtemp(prefix="xlserve-kernels-"))
+    log.warning("kernel cache %s is not private to this user (owner or permissions); building in %s",
+                wanted, private)
+    return private
 
 
 def cpu_flags() -> set[str]:
@@ -105,20 +132,25 @@ def _build() -> ctypes.CDLL | None:
     return lib
 
 
-def _compiled(compiler: str, cflags: list[str]) -> Path | None:
-    """The library built with ``cflags``, from the cache or compiled now; None if it fails."""
+def library_name(cflags: list[str]) -> str:
+    """The cached library's file name: a digest of the sources, headers and flags."""
     headers = sorted(Path(__file__).parent.glob("*.h"))
     digest = hashlib.sha256(b"".join(s.read_bytes() for s in [*SOURCES, *headers]) + " ".join(cflags).encode())
-    target = _cache_dir() / f"xlserve_cpu_{digest.hexdigest()[:16]}.so"
-    if target.exists():
+    return f"xlserve_cpu_{digest.hexdigest()[:16]}.so"
+
+
+def _compiled(compiler: str, cflags: list[str]) -> Path | None:
+    """The library built with ``cflags``, from the cache or compiled now; None if it fails."""
+    target = _cache_dir() / library_name(cflags)
+    if _private(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(f".{os.getpid()}.tmp")
     result = subprocess.run([compiler, *cflags, *map(str, SOURCES), "-lm", "-o", str(tmp)],
                             capture_output=True, text=True)
     if result.returncode != 0:
         log.warning("building the CPU kernels with %s failed: %s", " ".join(cflags[-3:]), result.stderr[-500:])
         return None
+    tmp.chmod(0o700)
     os.replace(tmp, target)  # atomic: concurrent builders never see half a file
     return target
 
