@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
+
+from pydantic import ConfigDict, TypeAdapter
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -18,11 +22,15 @@ MIN_TEMPERATURE = 1e-5
 MIN_TOP_P = 1e-6
 MIN_REPETITION_PENALTY = 0.01
 SEED_RANGE = (-(2**63), 2**64)
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+# Messages between processes refuse unknown fields and loose types (never drop a field).
+WIRE_CONFIG = ConfigDict(extra="forbid", strict=True)
 
 
 @dataclass(frozen=True)
 class GuidedSpec:
     """A constraint on the output: a JSON schema (as JSON text), a Lark grammar or a regex."""
+    __pydantic_config__ = WIRE_CONFIG
     kind: str
     spec: str
 
@@ -36,6 +44,9 @@ class GuidedSpec:
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How one request samples. ``to_wire()`` / ``from_wire()`` are its one JSON form
+    between processes, generated from the fields: a field added here travels as is."""
+    __pydantic_config__ = WIRE_CONFIG
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -52,12 +63,15 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     guided: GuidedSpec | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         self._validate()
         if 0.0 < self.temperature < MIN_TEMPERATURE:
             object.__setattr__(self, "temperature", 0.0)  # greedy
@@ -92,6 +106,18 @@ class SamplingParams:
                 "a string or a list of non-empty strings")
         if any(t < 0 for t in self.stop_token_ids):
             bad(f"stop_token_ids must be non-negative, got {self.stop_token_ids}", "token ids >= 0")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS or len({t for t, _ in self.logit_bias}) != len(self.logit_bias) \
+                or any(t < 0 or not (math.isfinite(b) and -100 <= b <= 100) for t, b in self.logit_bias):
+            bad(f"logit_bias must map at most {MAX_LOGIT_BIAS} distinct token ids >= 0 to biases in "
+                f"[-100, 100]", "{token id: bias}")
+
+    def to_wire(self) -> dict:
+        return _WIRE.dump_python(self, mode="json")
+
+    @staticmethod
+    def from_wire(data: dict) -> "SamplingParams":
+        """The inverse of ``to_wire``; unknown fields or wrong types raise ``ValueError``."""
+        return _WIRE.validate_json(json.dumps(data))  # JSON mode: the strict types of the wire
 
     @property
     def greedy(self) -> bool:
@@ -101,3 +127,6 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+
+_WIRE = TypeAdapter(SamplingParams)

@@ -292,3 +292,25 @@ def test_a_worker_failing_before_its_first_token_is_retried_elsewhere(cluster):
         state = {w["url"]: w["healthy"] for w in httpx.get(f"{router}/router/workers").json()}
         assert state[cluster["d"]] is True
     assert metric(cluster["p"], "xlserve_kv_blocks_used") == 0
+
+
+def test_logit_bias_colocated_and_disaggregated_streamed_and_not(cluster):
+    """+100 on one token makes the answer that token repeated; -100 bans the token greedy
+    would pick first. The bias travels to the decode worker (it is in the wire form)."""
+    chat = dict(model=MODEL, messages=QUESTION, max_tokens=6, temperature=0)
+    plain = _client(cluster["d"]).chat.completions.create(**chat, logprobs=True)
+    first_token = plain.choices[0].logprobs.content[0].token
+    from xlserve.loader.model_loader import load_tokenizer
+    tok = load_tokenizer("default")
+    word = tok.encode(" river", add_special_tokens=False)[0]
+    banned_id = tok.encode(first_token, add_special_tokens=False)[0]
+    for url in (cluster["d"], cluster["router"]):
+        client = _client(url)
+        forced = client.chat.completions.create(**chat, logit_bias={str(word): 100}).choices[0].message.content
+        assert forced == tok.decode([word] * 6)
+        assert _streamed_text(client, **chat, logit_bias={str(word): 100}) == forced
+        banned = client.chat.completions.create(**chat, logit_bias={str(banned_id): -100}, logprobs=True)
+        assert banned.choices[0].logprobs.content[0].token != first_token
+        assert _streamed_text(client, **chat, logit_bias={str(banned_id): -100}) == banned.choices[0].message.content
+    r = httpx.post(f"{cluster['router']}/v1/chat/completions", json={**chat, "logit_bias": {"99999999": 5}})
+    assert r.status_code == 400 and "logit_bias" in r.json()["error"]["message"]

@@ -188,3 +188,19 @@ def test_decode_padding_never_reads_unwritten_slots(tiny_llama_dir):
         assert [o.outputs[0].token_ids for o in poisoned.generate(prompts, params)] == want
     finally:
         cpu_ops.set_enabled(True)
+
+
+def test_logit_bias_forces_and_bans_tokens(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, kv_cache_tokens=4096)
+    prompt = _prompts(1, seed=9)[0]
+    plain = llm.generate(prompt, GREEDY)[0].outputs[0].token_ids
+    forced = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                                 logit_bias={123: 100}))[0].outputs[0].token_ids
+    assert forced == [123] * 8
+    banned = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                 logit_bias={plain[0]: -100}))[0].outputs[0].token_ids
+    assert plain[0] not in banned and banned != plain
+    with pytest.raises(ValueError, match="logit_bias names token ids outside"):
+        llm.generate(prompt, SamplingParams(logit_bias={10**6: 1}))
+    with pytest.raises(ValueError, match="logit_bias must map"):
+        SamplingParams(logit_bias={5: 101})

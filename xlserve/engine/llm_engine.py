@@ -66,6 +66,9 @@ class LLMEngine:
         bad = [t for t in ids + resumed if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token ids must be in [0, {vocab}); got {bad[:5]}")
+        biased = [t for t, _ in params.logit_bias if t >= vocab]
+        if biased:
+            raise ValueError(f"logit_bias names token ids outside [0, {vocab}): {biased[:5]}")
         if len(resumed) >= params.max_tokens:
             raise ValueError(f"{len(resumed)} resumed output tokens leave nothing to generate under "
                              f"max_tokens={params.max_tokens}")

@@ -182,11 +182,15 @@ class ModelRunner:
         return out
 
     def _sample_row(self, row: torch.Tensor, s: ScheduledRequest, greedy: int) -> int:
-        matcher = None
+        matcher, bias = None, s.params.logit_bias
+        if bias:
+            ids, values = zip(*bias)
+            row = row.index_add(0, torch.tensor(ids, device=row.device),
+                                torch.tensor(values, dtype=row.dtype, device=row.device))
         if s.params.guided is not None:
             matcher = self._matcher(s)
             row = row.masked_fill(~self.guided.allowed(matcher).to(row.device), float("-inf"))
-        if s.params.greedy and not s.params.has_penalties and matcher is None:
+        if s.params.greedy and not s.params.has_penalties and matcher is None and not bias:
             return greedy
         token = self.sampler.sample_row(row, s.params, self._generator(s), s.prompt_token_ids, s.output_token_ids)
         if matcher is not None:

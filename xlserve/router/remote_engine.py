@@ -17,7 +17,6 @@ import contextvars
 import json
 import logging
 import time
-from dataclasses import asdict
 
 import httpx
 
@@ -51,14 +50,6 @@ def worker_error(error: dict, status: int) -> Exception:
     if code == "request_failed":
         return RequestFailed(message)
     return WorkerFailed(f"status {status}: {message}")
-
-
-def sampling_json(params: SamplingParams) -> dict:
-    out = asdict(params)
-    out["stop"], out["stop_token_ids"] = list(params.stop), list(params.stop_token_ids)
-    for key in ("include_stop_str_in_output", "skip_special_tokens"):
-        out.pop(key)
-    return out
 
 
 def answer_error(status: int, body: bytes) -> Exception:
@@ -240,7 +231,7 @@ class RemoteEngine:
             await self._release(prefill, handle)
 
     async def _prefill(self, worker: Worker, ids, params, request_id) -> dict:
-        body = {"request_id": f"{request_id}-p", "prompt_token_ids": ids, "sampling": sampling_json(params),
+        body = {"request_id": f"{request_id}-p", "prompt_token_ids": ids, "sampling": params.to_wire(),
                 "kv_export": True}
         worker.prefill_tokens += len(ids)
         try:
@@ -268,7 +259,7 @@ class RemoteEngine:
                               for s in route.served_by]
 
     async def _stream(self, worker, ids, params, handle, acc, request_id, resume=(), on_first=None, route=None):
-        body = {"request_id": f"{request_id}-d", "prompt_token_ids": ids, "sampling": sampling_json(params),
+        body = {"request_id": f"{request_id}-d", "prompt_token_ids": ids, "sampling": params.to_wire(),
                 "stream": True, "kv_import": {k: v for k, v in (handle or {}).items() if k != "_released"} or None,
                 "resume_token_ids": list(resume)}
         worker.decode_tokens += len(ids)

@@ -24,43 +24,31 @@ import time
 from typing import Literal
 
 from fastapi import FastAPI, Request
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from xlserve.config import ServerConfig, parse_peers
 from xlserve.engine.request import HandOff
-from xlserve.sampling_params import GuidedSpec, SamplingParams
+from xlserve.sampling_params import WIRE_CONFIG, SamplingParams
 from xlserve.transfer.base import TransferError, transport
 from xlserve.worker.async_engine import RequestFailed
 from xlserve.worker.choices import ChoiceRun, RequestRun, start_choices
 from xlserve.worker.errors import ApiError, error_body
 from xlserve.worker.event_stream import EventStreamResponse
-from xlserve.worker.protocol import Strict
 from xlserve.worker.serving_common import WorkerState, new_id, sse
 
 MAX_PROMPT_IDS = 1_000_000
 
 
-class InternalSampling(Strict):
-    max_tokens: int = Field(default=16, ge=1)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: list[str] = Field(default_factory=list, max_length=16)
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logprobs: int | None = None
-    guided: dict[str, str] | None = None  # {"kind": ..., "spec": ...}
+class Internal(BaseModel):
+    """Messages between router and workers: unknown fields and loose types are refused
+    (a field one side adds never silently vanishes on the other)."""
+    model_config = WIRE_CONFIG
 
 
-class InternalGenerateRequest(Strict):
+class InternalGenerateRequest(Internal):
     request_id: str | None = Field(default=None, max_length=128)
     prompt_token_ids: list[int] = Field(min_length=1, max_length=MAX_PROMPT_IDS)
-    sampling: InternalSampling = Field(default_factory=InternalSampling)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)  # its wire form: SamplingParams.to_wire()
     stream: bool = False
     kv_export: bool = False
     kv_import: dict | None = None
@@ -68,16 +56,16 @@ class InternalGenerateRequest(Strict):
     on_pull_failure: Literal["recompute", "fail"] | None = None
 
 
-class KVRelease(Strict):
+class KVRelease(Internal):
     pin_id: str = Field(max_length=64)
 
 
-class KVPeer(Strict):
+class KVPeer(Internal):
     host: str = Field(max_length=255)
     port: int = Field(ge=1, le=65535)
 
 
-class KVPeers(Strict):
+class KVPeers(Internal):
     peers: list[KVPeer] = Field(max_length=1024)
 
 
@@ -194,15 +182,9 @@ def add_internal_routes(app: FastAPI, state: WorkerState, config: ServerConfig, 
 
 
 def _request_plan(req: InternalGenerateRequest) -> tuple[SamplingParams, HandOff]:
-    """Sampling parameters and the hand-off of an internal request; bad ones are a 400."""
-    try:
-        fields = req.sampling.model_dump()
-        guided = GuidedSpec(**fields.pop("guided")) if req.sampling.guided else None
-        fields.pop("guided", None)
-        params = SamplingParams(**{**fields, "stop": tuple(req.sampling.stop),
-                                   "stop_token_ids": tuple(req.sampling.stop_token_ids), "guided": guided})
-    except ValueError as e:
-        raise ApiError(400, str(e), "sampling") from e
+    """Sampling parameters (checked with the message) and the hand-off of an internal
+    request; a bad hand-off is a 400."""
+    params = req.sampling
     try:
         return params, HandOff(pause_after=1 if req.kv_export else None, resume=tuple(req.resume_token_ids))
     except ValueError as e:

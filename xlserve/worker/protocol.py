@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from xlserve.sampling_params import (MAX_LOGPROBS, MAX_STOP_STRINGS, MIN_REPETITION_PENALTY, SEED_RANGE, GuidedSpec,
+from xlserve.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS, MIN_REPETITION_PENALTY, SEED_RANGE, GuidedSpec,
                                      SamplingParams)
 
 MAX_N = 16
@@ -117,9 +117,17 @@ class SamplingFields(Strict):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, ge=MIN_REPETITION_PENALTY, le=10)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value):
+        if value and not all(k.isdigit() for k in value):
+            raise ValueError("logit_bias keys must be token ids (decimal strings)")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -142,7 +150,8 @@ class SamplingFields(Strict):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=self.repetition_penalty or 1.0,
             stop=tuple(s for s in stop if s), stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos, logprobs=logprobs, guided=guided)
+            ignore_eos=self.ignore_eos, logprobs=logprobs, guided=guided,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()})
 
     @property
     def include_usage(self) -> bool:
