@@ -11,8 +11,15 @@ import logging
 import sys
 
 from xlserve.cli_args import add_config_args, config_from_args
-from xlserve.config import (CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig, SupervisorConfig,
-                            resolve_keys)
+from xlserve.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+    SupervisorConfig,
+    resolve_keys,
+)
 
 ENGINE_GROUPS = ((ModelConfig, "model"), (CacheConfig, "KV cache"), (SchedulerConfig, "scheduler"))
 

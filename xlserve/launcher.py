@@ -84,7 +84,7 @@ def stop_all(procs: list[tuple[subprocess.Popen, str]]) -> None:
 
 
 def serve(engine: EngineConfig, server: ServerConfig, colocated: bool, policy: str = "cache_aware",
-          supervision: SupervisorConfig = SupervisorConfig()) -> None:
+          supervision: SupervisorConfig | None = None) -> None:
     if colocated:
         from xlserve.worker.server import run_worker
         run_worker(engine, server)
@@ -104,7 +104,7 @@ def serve(engine: EngineConfig, server: ServerConfig, colocated: bool, policy: s
         def give_up(why: str) -> None:  # on the supervisor's thread: stop the router, then exit non-zero
             gave_up.append(why)
             os.kill(os.getpid(), signal.SIGINT)
-        supervisor = Supervisor(workers, supervision, give_up)
+        supervisor = Supervisor(workers, supervision or SupervisorConfig(), give_up)
         supervisor.start()
         opts = RouterOptions(prefill=(workers[0].url,), decode=(workers[1].url,), policy=policy,
                              model=engine.model.model, worker_api_key=key)

@@ -10,7 +10,6 @@ import time
 
 import httpx
 
-
 PROCESSES: dict[str, subprocess.Popen] = {}  # url -> process, for tests that kill a server
 
 
@@ -26,7 +25,8 @@ def running_server(*args: str, timeout: float = 180.0, command: str = "worker", 
     port = free_port()
     cmd = [sys.executable, "-m", "xlserve.cli", command, "--port", str(port), *args]
     log = open(os.devnull, "w") if os.environ.get("XLSERVE_TEST_QUIET") else None
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None, env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None,
+                            env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     PROCESSES[url] = proc
     try:

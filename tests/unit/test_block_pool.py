@@ -5,7 +5,7 @@ import pytest
 from xlserve.engine.block_pool import BlockPool
 from xlserve.engine.kv_cache_manager import KVCacheManager
 from xlserve.engine.request import Request
-from xlserve.hashing import block_hashes, hash_block, ROOT_HASH
+from xlserve.hashing import ROOT_HASH, block_hashes, hash_block
 from xlserve.sampling_params import SamplingParams
 
 

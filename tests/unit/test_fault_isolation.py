@@ -7,7 +7,8 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from xlserve import LLM, SamplingParams
 from xlserve.engine.errors import EngineFatal

@@ -1,10 +1,10 @@
 """Routing policies on plain Worker records: exact choices."""
 
+import pytest
+
 from xlserve.router.index import PrefixIndex
 from xlserve.router.policies import CacheAware, LeastTokens, RoundRobin, RouteRequest, SessionAffinity, make_policy
 from xlserve.router.pool import Worker
-
-import pytest
 
 
 def _workers(*loads):

@@ -1,7 +1,8 @@
 """An agentic multi-turn workload against an OpenAI-compatible server.
 
 N sessions x T turns. Every session shares a large system prompt with tool definitions,
-then works on a long context of its own; each turn appends the server's answer and a new short user message (a growing history),
+then works on a long context of its own; each turn appends the server's answer and a new short user message
+(a growing history),
 asks for a short, tool-call-shaped answer, and sends ``x-session-affinity``. Measured per
 turn over the streamed answer: TTFT, inter-token latencies, prompt / cached / completion
 tokens and cost.

@@ -63,7 +63,8 @@ def build_workload(tokenizer, repeats: int = 1, seed: int = 0) -> dict:
         return [rng.randrange(200, 40000) for _ in range(n)]
     system = "You are a meticulous assistant for a software team. " * 12
     chat = tokenizer.encode_chat([{"role": "system", "content": system},
-                                  {"role": "user", "content": "Summarise the plan for the release in five bullet points."}])
+                                  {"role": "user",
+                                   "content": "Summarise the plan for the release in five bullet points."}])
     firsts = [rand_ids(4000) for _ in range(repeats)]
     return {"chat": chat, "decode_tokens": 128, "batch_tokens": 64,
             "prefill": {n: [rand_ids(int(n)) for _ in range(repeats)] for n in ("1000", "4000")},

@@ -17,11 +17,11 @@ from xlserve.engine.detokenizer import Detokenizer
 from xlserve.engine.errors import FATAL_ERRORS, describe
 from xlserve.engine.guided import GuidedDecoding
 from xlserve.engine.kv_blocks import DTYPE_NAMES, KVBlockStore, KVLayout, KVPayload, PinGrant
-from xlserve.hashing import BlockHash, block_hashes
 from xlserve.engine.model_runner import ModelRunner, RunnerOutput
 from xlserve.engine.outputs import CompletionOutput, RequestOutput
 from xlserve.engine.request import FinishReason, HandOff, Request
 from xlserve.engine.scheduler import Scheduler, SchedulerOutput
+from xlserve.hashing import BlockHash, block_hashes
 from xlserve.loader.model_loader import LoadedModel, load_model
 from xlserve.loader.tokenizer import prompt_token_ids
 from xlserve.sampling_params import SamplingParams

@@ -13,9 +13,9 @@ import torch
 from xlserve.engine.cuda_graph import DecodeGraphs
 from xlserve.engine.errors import FATAL_ERRORS, RequestError, describe
 from xlserve.engine.guided import GuidedDecoding
-from xlserve.kernels import cpu_ops
 from xlserve.engine.sampler import Sampler
 from xlserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from xlserve.kernels import cpu_ops
 from xlserve.layers.attention import AttentionMetadata, PrefillChunk, additive_mask, block_table, decode_context
 from xlserve.loader.model_loader import LoadedModel
 

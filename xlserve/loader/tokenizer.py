@@ -10,7 +10,8 @@ import json
 import os
 from typing import Sequence
 
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 from xlserve.loader.chat_template import ChatTemplate
 

@@ -204,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _expected_loads(self, params: dict) -> set:
         expected = set()
-        for name, param in params.items():
+        for name in params:
             if name == "lm_head.weight" and self.arch.tie_word_embeddings:
                 continue
             module = self.get_submodule(name.rsplit(".", 1)[0])

@@ -66,7 +66,8 @@ class SessionAffinity(RoutingPolicy):
 
     def __init__(self, fallback: RoutingPolicy | None = None, load_factor: float = 1.5, slack: int = 2048,
                  replicas: int = 64):
-        self.fallback, self.load_factor, self.slack, self.replicas = fallback or CacheAware(), load_factor, slack, replicas
+        self.fallback, self.load_factor = fallback or CacheAware(), load_factor
+        self.slack, self.replicas = slack, replicas
 
     @staticmethod
     def _h(key: str) -> int:

@@ -41,7 +41,8 @@ class Worker:
 class WorkerPool:
     def __init__(self, prefill: list[str], decode: list[str], both: list[str], api_key: str = "",
                  worker_timeout: float = 60.0):
-        self.workers = ([Worker(u.rstrip("/"), "prefill") for u in prefill] + [Worker(u.rstrip("/"), "decode") for u in decode]
+        self.workers = ([Worker(u.rstrip("/"), "prefill") for u in prefill]
+                        + [Worker(u.rstrip("/"), "decode") for u in decode]
                         + [Worker(u.rstrip("/"), "both") for u in both])
         if not self.workers:
             raise ValueError("the router needs at least one worker: --prefill/--decode URLs or --both URLs")

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               413: "request_too_large", 415: "unsupported_media_type", 421: "misdirected_request", 429: "rate_limit_error", 500: "internal_error",
-               502: "upstream_error", 503: "service_unavailable"}
+               413: "request_too_large", 415: "unsupported_media_type", 421: "misdirected_request",
+               429: "rate_limit_error", 500: "internal_error", 502: "upstream_error", 503: "service_unavailable"}
 
 
 class ApiError(Exception):

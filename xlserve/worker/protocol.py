@@ -11,8 +11,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from xlserve.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS, MIN_REPETITION_PENALTY, SEED_RANGE, GuidedSpec,
-                                     SamplingParams)
+from xlserve.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    MIN_REPETITION_PENALTY,
+    SEED_RANGE,
+    GuidedSpec,
+    SamplingParams,
+)
 
 MAX_N = 16
 MAX_MESSAGES = 2048

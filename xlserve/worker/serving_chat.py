@@ -8,8 +8,7 @@ from xlserve.worker.choices import ChoiceRun, RequestRun, start_choices
 from xlserve.worker.conversation import chat_prompt_ids
 from xlserve.worker.errors import ApiError
 from xlserve.worker.protocol import ChatCompletionRequest
-from xlserve.worker.serving_common import (WorkerState, chunk_sse, chat_logprobs, new_id, now,
-                                           resolve_max_tokens, sse)
+from xlserve.worker.serving_common import WorkerState, chat_logprobs, chunk_sse, new_id, now, resolve_max_tokens, sse
 from xlserve.worker.tool_parser import get_tool_parser
 
 

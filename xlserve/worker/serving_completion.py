@@ -7,8 +7,15 @@ from typing import AsyncIterator
 from xlserve.worker.choices import ChoiceRun, RequestRun, start_choices
 from xlserve.worker.errors import ApiError
 from xlserve.worker.protocol import CompletionRequest
-from xlserve.worker.serving_common import (WorkerState, chunk_sse, completion_logprobs, new_id, now,
-                                           resolve_max_tokens, sse)
+from xlserve.worker.serving_common import (
+    WorkerState,
+    chunk_sse,
+    completion_logprobs,
+    new_id,
+    now,
+    resolve_max_tokens,
+    sse,
+)
 
 
 class CompletionHandler:
