@@ -42,3 +42,46 @@ def test_bench_engine_runs_xlserve_and_reports_every_row(tmp_path):
     assert "aggregate decode tok/s, 32 seqs" in run.stdout
     bad = _xlserve("bench", "engine", "--repeats", "0")
     assert bad.returncode == 2 and "repeats must be at least 1" in bad.stderr
+
+
+def test_readme_routing_recipe_runs_as_written():
+    """The README's 'Routing your own workers' block, run by bash with free ports in place
+    of its fixed ones: the router starts at once and waits for the workers to load."""
+    import os
+    import pathlib
+    import re
+    import signal
+    import time
+
+    import httpx
+
+    from tests.e2e.server_process import free_port
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    block = re.search(r"## Routing your own workers\s+```bash\n(.*?)```", readme, re.S).group(1)
+    ports = {port: str(free_port()) for port in ("8101", "8102", "8000")}
+    script = re.sub(r"\b(8101|8102|8000)\b", lambda m: ports[m.group(1)], block)
+    proc = subprocess.Popen(["bash", "-c", script], cwd=pathlib.Path(__file__).parents[2], start_new_session=True)
+    url = f"http://127.0.0.1:{ports['8000']}"
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                       json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C, as in the terminal the recipe is for
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        time.sleep(2)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the group
+        except ProcessLookupError:
+            pass

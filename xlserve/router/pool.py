@@ -116,13 +116,27 @@ class WorkerPool:
                 await asyncio.gather(*(self.poll_events(w, index) for w in self.workers))
             await asyncio.sleep(interval)
 
-    def info(self) -> dict:
-        """Facts the router needs from a worker (model, block size, context). Synchronous:
-        it runs before the server's event loop, which ``self.http`` belongs to."""
-        last = None
-        for w in self.workers:
-            try:
-                return httpx.get(f"{w.url}/internal/info", headers=self.http.headers, timeout=5).json()
-            except httpx.HTTPError as e:
-                last = e
-        raise RuntimeError(f"no worker answered /internal/info: {last}")
+    def info(self, wait: float = 600.0) -> dict:
+        """Facts the router needs from a worker (model, block size, context), waiting up to
+        ``wait`` seconds for one to finish loading. Synchronous: it runs before the server's
+        event loop, which ``self.http`` belongs to."""
+        deadline, last, logged = time.monotonic() + wait, None, 0.0
+        while True:
+            for w in self.workers:
+                try:
+                    r = httpx.get(f"{w.url}/internal/info", headers=self.http.headers, timeout=5)
+                    if r.status_code == 200:
+                        return r.json()
+                    if r.status_code in (401, 403):  # waiting will not help
+                        raise RuntimeError(f"{w.url} refuses the router's internal key ({r.status_code}); set "
+                                           "XLSERVE_INTERNAL_API_KEY or --internal-api-key-file as on the workers")
+                    last = f"{w.url} answered {r.status_code}"
+                except httpx.HTTPError as e:
+                    last = f"{w.url}: {type(e).__name__}"
+            now = time.monotonic()
+            if now > deadline:
+                raise RuntimeError(f"no worker answered /internal/info within {wait:g} s ({last})")
+            if now - logged > 10:
+                log.info("waiting for a worker to finish loading (%s)", last)
+                logged = now
+            time.sleep(0.5)
