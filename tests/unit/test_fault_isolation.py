@@ -169,3 +169,14 @@ def test_refusals_raise_before_any_output(tiny_llama_dir):
     asyncio.run(run())
     engine.shutdown()
     assert engine.num_pending() == 0
+
+
+def test_a_row_of_non_finite_logits_fails_only_its_request(llm):
+    from xlserve.engine.scheduler import ScheduledRequest
+    rows = torch.randn(3, 320)
+    rows[1, 7], rows[2, 9] = float("nan"), float("inf")
+    scheduled = [ScheduledRequest(f"r{i}", [5], 3, [0], True, SamplingParams(temperature=t), 1, 0)
+                 for i, t in enumerate((0.0, 0.0, 0.8))]
+    out = llm.engine.runner._sample(rows, scheduled)
+    assert out.sampled == {"r0": int(rows[0].argmax())}
+    assert set(out.errors) == {"r1", "r2"} and "non-finite logits" in out.errors["r1"]

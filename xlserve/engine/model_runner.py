@@ -164,8 +164,10 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> RunnerOutput:
         """One token per row; a row that fails ends only its own request (``errors``)."""
         out = RunnerOutput()
-        greedy = logits.max(-1).indices.tolist()  # first maximum, like argmax; 2x faster on CPU rows
-        finite = torch.isfinite(logits).all(-1).tolist()
+        top = logits.max(-1)  # first maximum, like argmax; 2x faster on CPU rows
+        greedy = top.indices.tolist()
+        # max propagates NaN and +inf, so this costs no extra pass over the vocabulary
+        finite = torch.isfinite(top.values).tolist()
         for i, s in enumerate(requests):
             try:
                 if not finite[i]:
