@@ -78,7 +78,7 @@ def test_pins_hold_blocks_until_released_or_expired(tiny_llama_dir):
     with pytest.raises(PermissionError):  # a released pin opens nothing
         engine.export_pinned_kv(grant.pin_id, grant.secret, hashes[:1])
     pin_id = engine.pin_kv(hashes, seconds=60).pin_id
-    assert engine.kv_store.expire_pins(now=float("inf")) == 1
+    assert engine.kv.expire_pins(now=float("inf")) == 1
     assert engine.stats()["kv_blocks_used"] == 0 and engine.stats()["kv_pins"] == 0
     with pytest.raises(ValueError, match="pin time"):
         engine.pin_kv(hashes, seconds=0)
@@ -94,3 +94,14 @@ def test_import_into_a_full_pool_stops_early(tiny_llama_dir):
     assert dst.engine.import_kv(payload) == 2
     dst.engine.scheduler.kv.pool.free(held)
     dst.engine.unpin_kv(pin_id)
+
+
+def test_the_pool_has_one_owner():
+    """Export, import, pins and events go through the KV cache manager; nothing above the
+    scheduler reaches into its block pool."""
+    import inspect
+
+    import xlserve.engine.llm_engine as engine
+    import xlserve.worker.internal as internal
+    for module in (engine, internal):
+        assert ".pool" not in inspect.getsource(module), module.__name__

@@ -43,7 +43,7 @@ def test_pull_over_tcp_gives_identical_output(tiny_llama_dir, prefill):
     llm, handle = prefill
     decode = _llm(tiny_llama_dir)
     expected = _llm(tiny_llama_dir).generate(PROMPT, GREEDY)[0].outputs[0].token_ids
-    payload = tcp.TCPTransportClient().pull(handle, 10, decode.engine.kv_store.layout)
+    payload = tcp.TCPTransportClient().pull(handle, 10, decode.engine.kv.layout)
     assert len(payload.block_hashes) == 4
     assert decode.engine.import_kv(payload) == 4
     out = decode.generate(PROMPT, GREEDY)[0]
@@ -52,7 +52,7 @@ def test_pull_over_tcp_gives_identical_output(tiny_llama_dir, prefill):
 
 def test_a_pull_needs_the_pins_secret_and_gets_only_its_blocks(prefill):
     llm, handle = prefill
-    layout, client = llm.engine.kv_store.layout, tcp.TCPTransportClient()
+    layout, client = llm.engine.kv.layout, tcp.TCPTransportClient()
     for bad, why in [({**handle, "secret": "0" * 32}, "no pin with that id and secret"),
                      ({**handle, "secret": ""}, "no pin"),
                      ({**handle, "pin_id": "guessed"}, "no pin"),
@@ -99,7 +99,7 @@ def _header(request, ours, **override):
 
 def test_the_puller_refuses_what_it_did_not_ask_for_within_the_deadline(prefill):
     llm, handle = prefill
-    layout = llm.engine.kv_store.layout
+    layout = llm.engine.kv.layout
     other_layout = {**layout.to_json(), "num_kv_heads": layout.num_kv_heads * 2}
     cases = {
         "other blocks than those asked": lambda r: _header(r, layout, block_hashes=r["block_hashes"][:1]),
@@ -126,7 +126,7 @@ def test_idle_connections_neither_block_pulls_nor_hold_server_threads(prefill, m
     idle = [socket.create_connection((handle["host"], handle["port"])) for _ in range(100)]
     try:
         began = time.monotonic()
-        payload = tcp.TCPTransportClient().pull(handle, 5, llm.engine.kv_store.layout)
+        payload = tcp.TCPTransportClient().pull(handle, 5, llm.engine.kv.layout)
         assert len(payload.block_hashes) == 4 and time.monotonic() - began < 2
         idle[0].settimeout(3)
         answer = idle[0].makefile("rb").readline()  # the server gave up on it
@@ -138,7 +138,7 @@ def test_idle_connections_neither_block_pulls_nor_hold_server_threads(prefill, m
 
 def test_pull_failures_raise_transfer_error(prefill):
     llm, handle = prefill
-    layout = llm.engine.kv_store.layout
+    layout = llm.engine.kv.layout
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead_port = s.getsockname()[1]

@@ -1,11 +1,17 @@
-"""Per-request KV blocks on top of the block pool: prefix-cache lookup, slot allocation, free."""
+"""Per-request KV blocks on top of the block pool: prefix-cache lookup, slot allocation,
+free; and the pool's one owner: blocks leave and enter it by hash (export, import, pins)
+only through here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from xlserve.engine.block_pool import BlockPool, KVBlock
+from xlserve.engine.kv_blocks import KVBlockStore, KVLayout, KVPayload, PinGrant
 from xlserve.engine.request import Request
+from xlserve.hashing import BlockHash
 
 
 @dataclass
@@ -26,6 +32,50 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.num_hashed_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
+        self._by_hash: KVBlockStore | None = None
+
+    # -- blocks by hash (disaggregation, tiers) ---------------------------------------
+    def attach(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layout: KVLayout) -> None:
+        """The tensors behind the pool's blocks (the model runner allocates them)."""
+        self._by_hash = KVBlockStore(self.pool, kv_caches, layout)
+
+    @property
+    def layout(self) -> KVLayout:
+        return self._by_hash.layout
+
+    def export(self, hashes: list[BlockHash]) -> KVPayload:
+        return self._by_hash.export(hashes)
+
+    def export_pinned(self, pin_id: str, secret: str, hashes: list[BlockHash]) -> KVPayload:
+        return self._by_hash.export_pinned(pin_id, secret, hashes)
+
+    def import_blocks(self, payload: KVPayload) -> int:
+        return self._by_hash.import_(payload)
+
+    def pin(self, hashes: list[BlockHash], seconds: float) -> PinGrant:
+        return self._by_hash.pin(hashes, seconds)
+
+    def unpin(self, pin_id: str) -> bool:
+        return self._by_hash.unpin(pin_id)
+
+    def expire_pins(self, now: float | None = None) -> int:
+        return self._by_hash.expire_pins(now) if self._by_hash.pins else 0
+
+    @property
+    def num_pins(self) -> int:
+        return len(self._by_hash.pins) if self._by_hash else 0
+
+    def events_since(self, since: int, epoch: str) -> dict:
+        """Block-hash events (stored / removed) after ``since``, or a snapshot."""
+        return self.pool.events.since(since, epoch, lambda: list(self.pool.cached))
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_used_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of the request, in whole blocks. At least one token is

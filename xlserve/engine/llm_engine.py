@@ -16,7 +16,7 @@ from xlserve.config import EngineConfig
 from xlserve.engine.detokenizer import Detokenizer
 from xlserve.engine.errors import FATAL_ERRORS, describe
 from xlserve.engine.guided import GuidedDecoding
-from xlserve.engine.kv_blocks import DTYPE_NAMES, KVBlockStore, KVLayout, KVPayload, PinGrant
+from xlserve.engine.kv_blocks import DTYPE_NAMES, KVLayout, KVPayload, PinGrant
 from xlserve.engine.model_runner import ModelRunner, RunnerOutput
 from xlserve.engine.outputs import CompletionOutput, RequestOutput
 from xlserve.engine.request import FinishReason, HandOff, Request
@@ -47,7 +47,8 @@ class LLMEngine:
         self.extra_key = hashlib.blake2b(
             f"{self.loaded.source.path}|{self.loaded.dtype}".encode(), digest_size=8).digest()
         self.model_name = config.model.served_model_name or self.loaded.source.name
-        self.kv_store = KVBlockStore(self.scheduler.kv.pool, self.runner.kv_caches, KVLayout(
+        self.kv = self.scheduler.kv  # the pool's one owner; the engine goes through it
+        self.kv.attach(self.runner.kv_caches, KVLayout(
             arch.num_layers, self.block_size, arch.num_kv_heads, arch.head_dim,
             DTYPE_NAMES[self.loaded.dtype], self.extra_key.hex()))
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else set()
@@ -124,8 +125,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step. A failure that one request brings on ends that request (its
         output carries ``error``); only ``FATAL_ERRORS`` and broken engine state raise."""
-        if self.kv_store.pins:
-            self.kv_store.expire_pins()
+        self.kv.expire_pins()
         sched_out = self.scheduler.schedule()
         runner_out = self._execute(sched_out)
         outputs = [out for rid, why in runner_out.errors.items() if (out := self._fail(rid, why))]
@@ -204,37 +204,36 @@ class LLMEngine:
 
     def export_kv(self, hashes: list[BlockHash]) -> KVPayload:
         """The cached prefix of ``hashes``; local use (a peer reads through ``export_pinned_kv``)."""
-        return self.kv_store.export(hashes)
+        return self.kv.export(hashes)
 
     def export_pinned_kv(self, pin_id: str, secret: str, hashes: list[BlockHash]) -> KVPayload:
-        return self.kv_store.export_pinned(pin_id, secret, hashes)
+        return self.kv.export_pinned(pin_id, secret, hashes)
 
     def import_kv(self, payload: KVPayload) -> int:
-        return self.kv_store.import_(payload)
+        return self.kv.import_blocks(payload)
 
     def pin_kv(self, hashes: list[BlockHash], seconds: float) -> PinGrant:
-        return self.kv_store.pin(hashes, seconds)
+        return self.kv.pin(hashes, seconds)
 
     def unpin_kv(self, pin_id: str) -> bool:
-        return self.kv_store.unpin(pin_id)
+        return self.kv.unpin(pin_id)
 
     def kv_events(self, since: int, epoch: str) -> dict:
-        pool = self.scheduler.kv.pool
-        return pool.events.since(since, epoch, lambda: list(pool.cached))
+        return self.kv.events_since(since, epoch)
 
     # -- counters -----------------------------------------------------------------
     def stats(self) -> dict:
-        kv = self.scheduler.kv
+        kv = self.kv
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
-            "kv_blocks_used": kv.pool.num_used_blocks,
-            "kv_blocks_total": kv.pool.num_blocks,
+            "kv_blocks_used": kv.num_used_blocks,
+            "kv_blocks_total": kv.num_blocks,
             "prefix_cache_queried_tokens": kv.stats.queried_tokens,
             "prefix_cache_hit_tokens": kv.stats.hit_tokens,
             "prefix_cache_hit_ratio": kv.stats.hit_ratio,
             "num_preemptions": self.scheduler.num_preemptions,
-            "kv_pins": len(self.kv_store.pins),
+            "kv_pins": self.kv.num_pins,
             "num_steps": self.num_steps,
             "num_failed_requests": self.num_failed_requests,
         }

@@ -111,7 +111,7 @@ class Disaggregation:
         try:
             self._check_handle(handle, await asyncio.to_thread(engine.prompt_block_hashes, prompt_ids))
             payload = await asyncio.to_thread(self.client.pull, handle, self.config.kv_pull_timeout,
-                                              engine.kv_store.layout)
+                                              engine.kv.layout)
             blocks = await self.state.async_engine.call(lambda e, p: e.import_kv(p), payload)
             return {"blocks": blocks, "bytes": len(payload.data), "seconds": time.monotonic() - start, "error": None}
         except (TransferError, ValueError) as e:
