@@ -247,6 +247,39 @@ def test_tool_call_streamed_as_deltas(client, model):
     assert "city" in json.loads(calls[0].function.arguments)
 
 
+def test_legacy_functions_are_answered_as_function_call(client, model):
+    """The pre-tools API: functions + function_call become a forced tool call, answered
+    as message.function_call (streamed: delta.function_call), finish_reason function_call."""
+    kw = dict(model=model, messages=WEATHER_Q, max_tokens=80, temperature=0,
+              functions=[WEATHER_TOOL["function"]], function_call={"name": "get_weather"})
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "function_call" and not choice.message.tool_calls
+    assert choice.message.function_call.name == "get_weather"
+    assert isinstance(json.loads(choice.message.function_call.arguments)["city"], str)
+    deltas, reasons = [], []
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            deltas += [c.delta.function_call] if c.delta.function_call else []
+            reasons += [c.finish_reason] if c.finish_reason else []
+    assert reasons == ["function_call"] and deltas[0].name == "get_weather"
+    assert json.loads(deltas[0].arguments) == json.loads(choice.message.function_call.arguments)
+
+
+def test_fields_that_would_change_the_answer_are_refused_not_dropped(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for extra in ({"audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"]},
+                  {"web_search_options": {}}, {"tools": [WEATHER_TOOL], "functions": [WEATHER_TOOL["function"]]}):
+        r = httpx.post(f"{server}/v1/chat/completions", headers=headers,
+                       json={"messages": HELLO, "max_tokens": 4, **extra})
+        assert r.status_code == 400, extra
+    harmless = {"user": "u-1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "modalities": ["text"]}
+    r = httpx.post(f"{server}/v1/chat/completions", headers=headers, json={"messages": HELLO, "max_tokens": 4,
+                                                                           **harmless})
+    assert r.status_code == 200
+    r = httpx.post(f"{server}/v1/completions", headers=headers, json={"prompt": "a", "suffix": "b", "max_tokens": 2})
+    assert r.status_code == 400 and "suffix" in r.json()["error"]["message"]
+
+
 def test_tool_results_round_trip_and_auto_choice(client, model):
     msgs = WEATHER_Q + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {

@@ -1,7 +1,10 @@
 """OpenAI-compatible request models.
 
-Unknown fields are ignored, as OpenAI-compatible servers do; wrong types are refused
-(strict mode: no silent "5" -> 5). Every size a client controls has a bound.
+Fields that change the answer are honoured or refused, never dropped (``REFUSED``; the
+legacy ``functions`` / ``function_call`` become tools); fields that do not (``user``,
+``metadata``, ``store``...) are accepted and ignored, as OpenAI-compatible servers do.
+Wrong types are refused (strict mode: no silent "5" -> 5). Every size a client controls
+has a bound. docs/api-fields.md lists every field and what xlserve does with it.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from xlserve.sampling_params import (
     MAX_LOGIT_BIAS,
@@ -111,6 +114,12 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
+# Fields that would change the answer in ways this server cannot honour: a 400, not a
+# silently different answer.
+REFUSED = {"audio": "audio output is not supported", "web_search_options": "web search is not supported",
+           "suffix": "suffix (fill in the middle) is not supported"}
+
+
 class SamplingFields(Strict):
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -128,6 +137,19 @@ class SamplingFields(Strict):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_what_cannot_be_honoured(cls, data):
+        if isinstance(data, dict):
+            for name, why in REFUSED.items():
+                if data.get(name) is not None:
+                    raise ValueError(f"{name}: {why}")
+            if data.get("modalities") not in (None, ["text"]):
+                raise ValueError("modalities: only ['text'] is supported")
+            if data.get("best_of") not in (None, 1):
+                raise ValueError("best_of: only 1 is supported; use n for several choices")
+        return data
 
     @field_validator("logit_bias")
     @classmethod
@@ -177,6 +199,26 @@ class ChatCompletionRequest(SamplingFields):
     # otherwise repeat the call until max_tokens.
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    # legacy (before tools): mapped onto tools / tool_choice, answered as message.function_call
+    functions: list[FunctionDef] | None = Field(default=None, max_length=MAX_TOOLS)
+    function_call: Literal["none", "auto"] | dict[str, str] | None = None
+
+    @model_validator(mode="after")
+    def _functions_as_tools(self):
+        if self.functions is None and self.function_call is None:
+            return self
+        if self.tools is not None or self.tool_choice is not None:
+            raise ValueError("send functions/function_call or tools/tool_choice, not both")
+        self.tools = [Tool(type="function", function=f) for f in self.functions or []]
+        if isinstance(self.function_call, dict):
+            self.tool_choice = NamedToolChoice(type="function", function=self.function_call)
+        else:
+            self.tool_choice = self.function_call
+        return self
+
+    @property
+    def legacy_functions(self) -> bool:
+        return self.functions is not None
 
     def forced_tool(self) -> tuple[bool, str | None]:
         """(a tool call is required, the function it must call or None for any)."""

@@ -60,11 +60,13 @@ class ChatHandler:
         if use_tools:
             content, calls = get_tool_parser(self.tool_parser).parse(out.text)
         message = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = [c.to_openai() for c in calls]
+        reason = out.finish_reason
+        if calls and req.legacy_functions:  # the pre-tools answer: one call, as message.function_call
+            message["function_call"], reason = calls[0].to_openai()["function"], "function_call"
+        elif calls:
+            message["tool_calls"], reason = [c.to_openai() for c in calls], "tool_calls"
         logprobs = chat_logprobs(self.state.tokenizer, out.logprobs) if req.logprobs else None
-        return {"index": choice.index, "message": message, "logprobs": logprobs,
-                "finish_reason": "tool_calls" if calls else out.finish_reason}
+        return {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
     async def stream(self, req: ChatCompletionRequest, prepared: tuple[RequestRun, bool]) -> AsyncIterator[str]:
         """Bad input and a full queue raise here, before any byte is sent."""
@@ -96,7 +98,11 @@ class ChatHandler:
                     parsed = parser.feed(out.new_text, final=out.finished)
                     if parsed.content:
                         delta["content"] = parsed.content
-                    if parsed.tool_calls:
+                    if parsed.tool_calls and req.legacy_functions:
+                        if not num_calls[choice.index]:  # the pre-tools answer: the first call only
+                            delta["function_call"] = parsed.tool_calls[0].to_openai()["function"]
+                        num_calls[choice.index] += len(parsed.tool_calls)
+                    elif parsed.tool_calls:
                         delta["tool_calls"] = [c.to_openai(num_calls[choice.index] + i)
                                                for i, c in enumerate(parsed.tool_calls)]
                         num_calls[choice.index] += len(parsed.tool_calls)
@@ -108,7 +114,9 @@ class ChatHandler:
                                   "finish_reason": None}])
                 if out.finished:
                     finished += 1
-                    reason = "tool_calls" if num_calls[choice.index] else out.outputs[0].finish_reason
+                    reason = out.outputs[0].finish_reason
+                    if num_calls[choice.index]:
+                        reason = "function_call" if req.legacy_functions else "tool_calls"
                     last = finished == len(run.choices) and not req.include_usage
                     yield chunk([{"index": choice.index, "delta": {}, "logprobs": None,
                                   "finish_reason": reason}], run.usage() if last else None)
