@@ -21,6 +21,8 @@ def _message_dicts(messages: list[ChatMessage], native_tools: bool) -> list[dict
     for m in messages:
         role = "system" if m.role == "developer" else m.role
         entry = {"role": role, "content": m.text()}
+        if m.name:
+            entry["name"] = m.name  # rendered by templates that use it, ignored by the rest
         if m.role == "assistant" and m.tool_calls:
             if native_tools:
                 entry["tool_calls"] = [{"type": "function", "id": c.id, "function": {
