@@ -314,3 +314,16 @@ def test_logit_bias_colocated_and_disaggregated_streamed_and_not(cluster):
         assert _streamed_text(client, **chat, logit_bias={str(banned_id): -100}) == banned.choices[0].message.content
     r = httpx.post(f"{cluster['router']}/v1/chat/completions", json={**chat, "logit_bias": {"99999999": 5}})
     assert r.status_code == 400 and "logit_bias" in r.json()["error"]["message"]
+
+
+def test_a_started_router_never_loads_torch(cluster):
+    """The router needs only the tokenizer and chat template: no torch in its process
+    (its memory maps hold no libtorch), after it has served requests."""
+    import psutil
+
+    from tests.e2e.server_process import PROCESSES
+    _client(cluster["router"]).chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2)
+    router = psutil.Process(PROCESSES[cluster["router"]].pid)
+    assert not [m.path for m in router.memory_maps() if "libtorch" in m.path]
+    worker = psutil.Process(PROCESSES[cluster["d"]].pid)
+    assert [m.path for m in worker.memory_maps() if "libtorch" in m.path]  # the check can see torch

@@ -15,7 +15,7 @@ from xlserve.kernels.cpu_ops import cpu_flags as _cpu_flags
 from xlserve.loader.gguf_file import GGUFFile
 from xlserve.loader.model_source import ModelSource, resolve_model
 from xlserve.loader.safetensors_dir import SafetensorsDir
-from xlserve.loader.tokenizer import Tokenizer, load_gguf_tokenizer, load_hf_tokenizer
+from xlserve.loader.tokenizer import Tokenizer, load_gguf_tokenizer, load_hf_tokenizer, load_model_tokenizer
 from xlserve.models.arch import ModelArch
 from xlserve.models.registry import build_model, model_class
 
@@ -109,7 +109,4 @@ def return_freed_memory() -> None:
 
 def load_tokenizer(model: str) -> Tokenizer | None:
     """Only the tokenizer (and chat template) of a model, without its weights."""
-    source = resolve_model(model)
-    if source.kind == "gguf":
-        return load_gguf_tokenizer(GGUFFile(source.path).meta)
-    return load_hf_tokenizer(source.path, SafetensorsDir(source.path).config)
+    return load_model_tokenizer(model)

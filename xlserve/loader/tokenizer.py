@@ -138,3 +138,20 @@ def load_gguf_tokenizer(meta: dict) -> Tokenizer:
                      eos_token_ids=eos_ids,
                      add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
                      chat_template=meta.get("tokenizer.chat_template"))
+
+
+def load_model_tokenizer(model: str) -> Tokenizer | None:
+    """Only the tokenizer (and chat template) of ``--model``, without its weights and
+    without torch (the router needs nothing more)."""
+    from xlserve.loader.gguf_container import read_gguf
+    from xlserve.loader.model_source import resolve_model
+    source = resolve_model(model)
+    if source.kind == "gguf":
+        meta, _, _ = read_gguf(source.path)
+        return load_gguf_tokenizer(meta)
+    try:
+        with open(os.path.join(source.path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read config.json in {source.path!r}: {e}") from e
+    return load_hf_tokenizer(source.path, config)

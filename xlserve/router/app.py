@@ -15,8 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from xlserve.config import ServerConfig
-from xlserve.loader.model_loader import load_tokenizer
-from xlserve.loader.tokenizer import prompt_token_ids
+from xlserve.loader.tokenizer import load_model_tokenizer, prompt_token_ids
 from xlserve.router.index import PrefixIndex
 from xlserve.router.metrics import RouterMetrics
 from xlserve.router.policies import make_policy
@@ -59,7 +58,7 @@ def build_router_app(opts: RouterOptions, config: ServerConfig):
     pool = WorkerPool(list(opts.prefill), list(opts.decode), list(opts.both), opts.worker_api_key,
                       config.worker_timeout)
     info = pool.info()
-    tokenizer = load_tokenizer(opts.model)
+    tokenizer = load_model_tokenizer(opts.model)
     metrics = RouterMetrics(pool, info["model"], opts.policy)
     index = PrefixIndex()
     remote = RemoteEngine(pool, make_policy(opts.policy, opts.affinity, int(info["block_size"])), index,

@@ -26,7 +26,7 @@ from xlserve.router.index import PrefixIndex
 from xlserve.router.policies import RouteRequest, RoutingPolicy
 from xlserve.router.pool import Worker, WorkerPool
 from xlserve.sampling_params import SamplingParams
-from xlserve.worker.async_engine import EngineBusy, RequestFailed
+from xlserve.worker.engine_client import EngineBusy, EngineClient, RequestFailed, RequestStream
 
 log = logging.getLogger(__name__)
 SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("session", default=None)
@@ -78,7 +78,7 @@ class _Accumulator:
                              text, list(ids))
 
 
-class RemoteStream:
+class RemoteStream(RequestStream):
     """The worker-side ``RequestStream`` contract over an async generator: ``accepted()``
     waits for the first output (a worker's refusal raises there, before the router sends a
     byte); ``close()`` from synchronous code ends it (releasing pins, closing the decode
@@ -115,7 +115,7 @@ class RemoteStream:
         await self.gen.aclose()
 
 
-class RemoteEngine:
+class RemoteEngine(EngineClient):
     def __init__(self, pool: WorkerPool, policy: RoutingPolicy, index: PrefixIndex, info: dict, metrics=None,
                  max_inflight: int = 1024):
         self.pool, self.policy, self.index, self.metrics = pool, policy, index, metrics

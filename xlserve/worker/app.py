@@ -20,11 +20,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from xlserve.config import ServerConfig
-from xlserve.worker.async_engine import EngineBusy, EngineDead, RequestFailed
+from xlserve.worker.engine_client import EngineBusy, EngineDead, RequestFailed
 from xlserve.worker.errors import ApiError, error_body
 from xlserve.worker.event_stream import EventStreamResponse
 from xlserve.worker.http_edge import HostGuard, allowed_hosts, check_json_content_type
-from xlserve.worker.internal import add_internal_routes
 from xlserve.worker.pricing import PriceTable
 from xlserve.worker.protocol import ChatCompletionRequest, CompletionRequest
 from xlserve.worker.serving_chat import ChatHandler
@@ -190,6 +189,7 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
     async def text_completions(request: Request):
         return await respond(request, CompletionRequest, completions)
 
-    if internal:
+    if internal:  # imported here: it needs torch (KV transfer), which the router never loads
+        from xlserve.worker.internal import add_internal_routes
         app.state.disaggregation = add_internal_routes(app, state, config, key_check(internal_key), read_json)
     return app

@@ -6,7 +6,7 @@ engine thread through a queue; outputs come back with ``call_soon_threadsafe``.
 
 A request is checked off the loop (a grammar compiles in milliseconds to seconds), then
 the engine thread takes it and answers ``ACCEPTED``, or the refusal, before any output:
-so a server awaits ``RequestStream.accepted()`` and turns every refusal into a 400
+so a server awaits ``LocalStream.accepted()`` and turns every refusal into a 400
 before any byte of a response, streamed or not. A request that fails inside a step
 ends with ``RequestFailed``; the others go on. If the engine itself cannot continue,
 every stream gets ``EngineDead`` and ``on_fatal`` runs (a worker exits non-zero).
@@ -20,33 +20,24 @@ import logging
 import queue
 import threading
 import time
-from typing import AsyncIterator, Callable, Sequence
+from typing import Callable, Sequence
 
 from xlserve.engine.errors import FATAL_ERRORS, describe
 from xlserve.engine.llm_engine import LLMEngine
 from xlserve.engine.outputs import RequestOutput
 from xlserve.engine.request import HandOff
 from xlserve.sampling_params import SamplingParams
+from xlserve.worker.engine_client import EngineBusy, EngineClient, EngineDead, RequestFailed, RequestStream
+
+__all__ = ["ACCEPTED", "AsyncEngine", "EngineBusy", "EngineDead", "LocalStream", "RequestFailed"]
 
 log = logging.getLogger(__name__)
-
-
-class EngineBusy(Exception):
-    """The waiting queue is full; the caller should retry later."""
-
-
-class EngineDead(Exception):
-    """The engine thread stopped after an internal error."""
-
-
-class RequestFailed(Exception):
-    """The request failed inside the engine (not the client's mistake); others went on."""
 
 
 ACCEPTED = object()  # the engine took the request; its outputs follow
 
 
-class RequestStream:
+class LocalStream(RequestStream):
     """The outputs of one request. However it ends (finished, error, closed, or dropped
     without ever being read), the request is released and, if unfinished, aborted."""
 
@@ -97,7 +88,7 @@ class RequestStream:
         self.close()
 
 
-class AsyncEngine:
+class AsyncEngine(EngineClient):
     def __init__(self, engine: LLMEngine, max_waiting: int,
                  on_fatal: Callable[[BaseException], None] | None = None):
         self.engine = engine
@@ -134,7 +125,7 @@ class AsyncEngine:
         return None
 
     def submit(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-               handoff: HandOff | None = None) -> AsyncIterator[RequestOutput]:
+               handoff: HandOff | None = None) -> LocalStream:
         """Enqueue (``EngineBusy`` or ``EngineDead`` raise at once); the stream's
         ``accepted()`` then raises the engine's refusal (``ValueError``) before any output.
         Closing the stream early (client gone) aborts the request and frees its blocks."""
@@ -144,7 +135,7 @@ class AsyncEngine:
             raise EngineBusy(f"{len(self._streams)} requests are in flight (limit {self.max_pending})")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = RequestStream(self, request_id)
+        stream = LocalStream(self, request_id)
         self._streams[request_id] = (asyncio.get_running_loop(), stream.queue)
         self._checks.submit(self._check_then_add, request_id, list(prompt_ids), params, handoff)
         return stream

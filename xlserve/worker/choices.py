@@ -15,7 +15,7 @@ from typing import AsyncIterator
 from xlserve.engine.outputs import RequestOutput
 from xlserve.engine.request import HandOff
 from xlserve.sampling_params import SamplingParams
-from xlserve.worker.async_engine import AsyncEngine
+from xlserve.worker.engine_client import EngineClient
 from xlserve.worker.errors import ApiError
 from xlserve.worker.metrics import WorkerMetrics
 from xlserve.worker.pricing import PriceTable
@@ -60,7 +60,7 @@ class RequestRun:
         return usage
 
 
-async def start_choices(engine: AsyncEngine, run: RequestRun,
+async def start_choices(engine: EngineClient, run: RequestRun,
                         metrics: WorkerMetrics) -> AsyncIterator[tuple[ChoiceRun, RequestOutput]]:
     """Submit every choice and wait until the engine took each (bad input is a 400 and a
     full queue a 429 here, before any byte of a response, and nothing is left running),

@@ -30,8 +30,8 @@ from xlserve.config import ServerConfig, parse_peers
 from xlserve.engine.request import HandOff
 from xlserve.sampling_params import WIRE_CONFIG, SamplingParams
 from xlserve.transfer.base import TransferError, transport
-from xlserve.worker.async_engine import RequestFailed
 from xlserve.worker.choices import ChoiceRun, RequestRun, start_choices
+from xlserve.worker.engine_client import RequestFailed
 from xlserve.worker.errors import ApiError, error_body
 from xlserve.worker.event_stream import EventStreamResponse
 from xlserve.worker.serving_common import WorkerState, new_id, sse

@@ -8,14 +8,16 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
-from xlserve.engine.llm_engine import LLMEngine
 from xlserve.loader.tokenizer import Tokenizer
-from xlserve.worker.async_engine import AsyncEngine
+from xlserve.worker.engine_client import EngineClient
 from xlserve.worker.errors import ApiError
 from xlserve.worker.metrics import WorkerMetrics
 from xlserve.worker.pricing import PriceTable
+
+if TYPE_CHECKING:  # the router's state holds a RouterFront instead, and never imports torch
+    from xlserve.engine.llm_engine import LLMEngine
 
 T = TypeVar("T")
 
@@ -42,8 +44,8 @@ class Preprocessor:
 
 @dataclass
 class WorkerState:
-    engine: LLMEngine
-    async_engine: AsyncEngine
+    engine: LLMEngine  # tokenizer, limits (and on a worker the engine itself)
+    async_engine: EngineClient
     metrics: WorkerMetrics
     model_name: str
     prices: PriceTable = field(default_factory=PriceTable)
