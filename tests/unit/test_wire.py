@@ -1,13 +1,24 @@
-"""Messages between processes: SamplingParams has one wire form, generated from the
-class, and every field arrives intact; unknown fields and loose types are refused."""
+"""Messages between processes: every message type round-trips; SamplingParams has one
+wire form, generated from the class, and every field arrives intact; unknown fields and
+loose types are refused."""
 
 import dataclasses
 import json
 
 import pytest
 
+from xlserve.engine.request import FinishReason
 from xlserve.sampling_params import GuidedSpec, SamplingParams
-from xlserve.worker.internal import InternalGenerateRequest
+from xlserve.worker.messages import (
+    GenerateRequest,
+    GenerateResult,
+    KVHandle,
+    KVPeers,
+    KVRelease,
+    LogprobEntry,
+    PullReport,
+    StreamEvent,
+)
 
 # One non-default value per field. A field added to SamplingParams fails
 # test_every_field_travels until it is listed here, and so proven to travel.
@@ -26,7 +37,7 @@ def test_every_field_travels():
         params = SamplingParams(**{name: value})
         assert getattr(params, name) != getattr(defaults, name), name
         body = json.dumps({"prompt_token_ids": [1, 2], "sampling": params.to_wire()})
-        assert InternalGenerateRequest.model_validate_json(body).sampling == params, name
+        assert GenerateRequest.model_validate_json(body).sampling == params, name
         assert SamplingParams.from_wire(json.loads(json.dumps(params.to_wire()))) == params, name
     everything = SamplingParams(**NON_DEFAULT)
     assert SamplingParams.from_wire(everything.to_wire()) == everything
@@ -40,6 +51,28 @@ def test_unknown_fields_and_loose_types_are_refused(change):
     with pytest.raises(ValueError):
         SamplingParams.from_wire(wire)
     with pytest.raises(ValueError):
-        InternalGenerateRequest.model_validate_json(json.dumps({"prompt_token_ids": [1], "sampling": wire}))
+        GenerateRequest.model_validate_json(json.dumps({"prompt_token_ids": [1], "sampling": wire}))
     with pytest.raises(ValueError):
-        InternalGenerateRequest.model_validate_json(json.dumps({"prompt_token_ids": [1], "kv_handle": {}}))
+        GenerateRequest.model_validate_json(json.dumps({"prompt_token_ids": [1], "kv_handle": {}}))
+
+
+HANDLE = KVHandle(transport="tcp", host="127.0.0.1", port=4242, pin_id="p" * 32, secret="s" * 32,
+                  block_hashes=["00ff" * 4])
+REPORT = PullReport(blocks=3, bytes=4096, seconds=0.01)
+EXAMPLES = [
+    HANDLE, REPORT, KVRelease(pin_id="p" * 32), KVPeers(peers=[{"host": "127.0.0.1", "port": 1}]),
+    GenerateRequest(prompt_token_ids=[1, 2], sampling=SamplingParams(**NON_DEFAULT), stream=True,
+                    kv_import=HANDLE, resume_token_ids=[7], on_pull_failure="fail"),
+    GenerateResult(request_id="r", token_ids=[5], text="Hi", finish_reason=FinishReason.PAUSED, prompt_tokens=2,
+                   cached_tokens=0, logprobs=[LogprobEntry(token_id=5, logprob=-0.1, top=[(5, -0.1)])], kv=HANDLE),
+    StreamEvent(token_ids=[6], text=" there", finish_reason=FinishReason.STOP, prompt_tokens=2, cached_tokens=16,
+                kv_import=REPORT),
+]
+
+
+@pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_every_message_type_round_trips_and_refuses_unknown_fields(message):
+    cls = type(message)
+    assert cls.model_validate_json(message.model_dump_json()) == message
+    with pytest.raises(ValueError):
+        cls.model_validate_json(json.dumps({**message.model_dump(mode="json"), "surprise": 1}))

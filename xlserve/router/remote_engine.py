@@ -19,14 +19,17 @@ import logging
 import time
 
 import httpx
+from pydantic import ValidationError
 
 from xlserve.engine.outputs import CompletionOutput, RequestOutput
+from xlserve.engine.request import FinishReason
 from xlserve.hashing import block_hashes
 from xlserve.router.index import PrefixIndex
 from xlserve.router.policies import RouteRequest, RoutingPolicy
 from xlserve.router.pool import Worker, WorkerPool
 from xlserve.sampling_params import SamplingParams
 from xlserve.worker.engine_client import EngineBusy, EngineClient, RequestFailed, RequestStream
+from xlserve.worker.messages import GenerateResult, KVHandle, LogprobEntry, StreamEvent
 
 log = logging.getLogger(__name__)
 SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("session", default=None)
@@ -50,6 +53,15 @@ def worker_error(error: dict, status: int) -> Exception:
     if code == "request_failed":
         return RequestFailed(message)
     return WorkerFailed(f"status {status}: {message}")
+
+
+def _reason(reason: FinishReason | None) -> str | None:
+    return reason.value if reason is not None else None
+
+
+def _logprobs(entries: list[LogprobEntry] | None) -> list[dict] | None:
+    """As the engine keeps them (``token_id``, ``logprob``, ``top`` pairs)."""
+    return [e.model_dump() for e in entries] if entries is not None else None
 
 
 def answer_error(status: int, body: bytes) -> Exception:
@@ -214,23 +226,23 @@ class RemoteEngine(EngineClient):
                 self.pool.mark_down(prefill, str(e))
                 tried.add(prefill.url)
         self.index.record(route.block_hashes, prefill.url)
-        acc.cached = first["cached_tokens"]
+        acc.cached = first.cached_tokens
         self._observe_cached(route, prefill, acc.cached)
-        paused = first["finish_reason"] == "paused"  # else the answer ended with its first token
-        handle = first.get("kv")
+        paused = first.finish_reason == FinishReason.PAUSED  # else the answer ended with its first token
+        handle, released = first.kv, set()
         try:  # however the answer ends (a client that leaves at the first token too), the pin goes
-            yield acc.add(first["token_ids"], first["text"], first.get("logprobs"),
-                          None if paused else first["finish_reason"])
+            yield acc.add(first.token_ids, first.text, _logprobs(first.logprobs),
+                          None if paused else _reason(first.finish_reason))
             if not paused:
                 return
             async for out in self._retrying("decode", route, lambda w: self._stream(
-                    w, prompt_ids, params, handle, acc, request_id, resume=first["token_ids"],
-                    on_first=lambda: self._release(prefill, handle)), decode):
+                    w, prompt_ids, params, handle, acc, request_id, resume=first.token_ids,
+                    on_first=lambda: self._release(prefill, handle, released)), decode):
                 yield out
         finally:
-            await self._release(prefill, handle)
+            await self._release(prefill, handle, released)
 
-    async def _prefill(self, worker: Worker, ids, params, request_id) -> dict:
+    async def _prefill(self, worker: Worker, ids, params, request_id) -> GenerateResult:
         body = {"request_id": f"{request_id}-p", "prompt_token_ids": ids, "sampling": params.to_wire(),
                 "kv_export": True}
         worker.prefill_tokens += len(ids)
@@ -242,13 +254,16 @@ class RemoteEngine(EngineClient):
             worker.prefill_tokens -= len(ids)
         if r.status_code != 200:
             raise answer_error(r.status_code, r.content)
-        return r.json()
+        try:
+            return GenerateResult.model_validate_json(r.content)
+        except ValidationError as e:
+            raise WorkerFailed(f"malformed prefill answer: {e.errors()[0]['msg']}") from e
 
-    async def _release(self, worker: Worker, handle: dict | None) -> None:
-        if handle and not handle.get("_released"):
-            handle["_released"] = True
+    async def _release(self, worker: Worker, handle: KVHandle | None, released: set) -> None:
+        if handle is not None and handle.pin_id not in released:
+            released.add(handle.pin_id)
             try:
-                await self.pool.http.post(f"{worker.url}/internal/kv/release", json={"pin_id": handle["pin_id"]})
+                await self.pool.http.post(f"{worker.url}/internal/kv/release", json={"pin_id": handle.pin_id})
             except httpx.HTTPError as e:  # the pin expires on its own
                 log.warning("releasing KV pin on %s failed: %s", worker.url, e)
 
@@ -260,7 +275,7 @@ class RemoteEngine(EngineClient):
 
     async def _stream(self, worker, ids, params, handle, acc, request_id, resume=(), on_first=None, route=None):
         body = {"request_id": f"{request_id}-d", "prompt_token_ids": ids, "sampling": params.to_wire(),
-                "stream": True, "kv_import": {k: v for k, v in (handle or {}).items() if k != "_released"} or None,
+                "stream": True, "kv_import": handle.model_dump() if handle is not None else None,
                 "resume_token_ids": list(resume)}
         worker.decode_tokens += len(ids)
         started = time.monotonic()
@@ -272,19 +287,23 @@ class RemoteEngine(EngineClient):
                 async for line in r.aiter_lines():
                     if not line.startswith("data: {"):
                         continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        raise worker_error(event["error"], r.status_code)
+                    raw = json.loads(line[6:])
+                    if "error" in raw:
+                        raise worker_error(raw["error"], r.status_code)
+                    try:
+                        event = StreamEvent.model_validate(raw)
+                    except ValidationError as e:
+                        raise WorkerFailed(f"malformed stream event: {e.errors()[0]['msg']}") from e
                     if first_event and on_first is not None:
                         asyncio.ensure_future(on_first())
                     first_event = False
-                    if event.get("finish_reason") and route is not None:  # this worker computed the prompt
-                        acc.cached = event.get("cached_tokens", 0)
+                    if event.finish_reason and route is not None:  # this worker computed the prompt
+                        acc.cached = event.cached_tokens or 0
                         self._observe_cached(route, worker, acc.cached)
-                    if event.get("kv_import") and self.metrics is not None:
-                        self.metrics.observe_transfer(event["kv_import"])
-                    yield acc.add(event["token_ids"], event["text"], event.get("logprobs"), event.get("finish_reason"))
-                    if event.get("finish_reason"):
+                    if event.kv_import and self.metrics is not None:
+                        self.metrics.observe_transfer(event.kv_import.model_dump())
+                    yield acc.add(event.token_ids, event.text, _logprobs(event.logprobs), _reason(event.finish_reason))
+                    if event.finish_reason:
                         return
             raise WorkerFailed("decode stream ended without a finish")
         except httpx.HTTPError as e:

@@ -21,52 +21,27 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Literal
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, Field
 
 from xlserve.config import ServerConfig, parse_peers
 from xlserve.engine.request import HandOff
-from xlserve.sampling_params import WIRE_CONFIG, SamplingParams
+from xlserve.sampling_params import SamplingParams
 from xlserve.transfer.base import TransferError, transport
 from xlserve.worker.choices import ChoiceRun, RequestRun, start_choices
 from xlserve.worker.engine_client import RequestFailed
 from xlserve.worker.errors import ApiError, error_body
 from xlserve.worker.event_stream import EventStreamResponse
+from xlserve.worker.messages import (
+    GenerateRequest,
+    GenerateResult,
+    KVHandle,
+    KVPeers,
+    KVRelease,
+    PullReport,
+    StreamEvent,
+)
 from xlserve.worker.serving_common import WorkerState, new_id, sse
-
-MAX_PROMPT_IDS = 1_000_000
-
-
-class Internal(BaseModel):
-    """Messages between router and workers: unknown fields and loose types are refused
-    (a field one side adds never silently vanishes on the other)."""
-    model_config = WIRE_CONFIG
-
-
-class InternalGenerateRequest(Internal):
-    request_id: str | None = Field(default=None, max_length=128)
-    prompt_token_ids: list[int] = Field(min_length=1, max_length=MAX_PROMPT_IDS)
-    sampling: SamplingParams = Field(default_factory=SamplingParams)  # its wire form: SamplingParams.to_wire()
-    stream: bool = False
-    kv_export: bool = False
-    kv_import: dict | None = None
-    resume_token_ids: list[int] = Field(default_factory=list, max_length=4096)
-    on_pull_failure: Literal["recompute", "fail"] | None = None
-
-
-class KVRelease(Internal):
-    pin_id: str = Field(max_length=64)
-
-
-class KVPeer(Internal):
-    host: str = Field(max_length=255)
-    port: int = Field(ge=1, le=65535)
-
-
-class KVPeers(Internal):
-    peers: list[KVPeer] = Field(max_length=1024)
 
 
 class Disaggregation:
@@ -92,34 +67,34 @@ class Disaggregation:
         if self.server is not None:
             self.server.stop()
 
-    def _check_handle(self, handle: dict, prompt_hashes: list) -> None:
+    def _check_handle(self, handle: KVHandle, prompt_hashes: list) -> None:
         """Refuse, before any connection, a handle to an unknown server or naming blocks
         that are not this prompt's (they would enter the prefix cache under its hashes)."""
+        address = (handle.host, handle.port)
         try:
-            address = (str(handle["host"]), int(handle["port"]))
-            named = [bytes.fromhex(h) for h in handle["block_hashes"]]
-        except (KeyError, TypeError, ValueError) as e:
-            raise TransferError(f"bad KV handle: {type(e).__name__} {e}") from e
+            named = [bytes.fromhex(h) for h in handle.block_hashes]
+        except ValueError as e:
+            raise TransferError(f"bad KV handle: {e}") from e
         if address not in self.fixed_peers | self.registered_peers:
             raise TransferError(f"{address[0]}:{address[1]} is not a registered KV server; refused")
         if named != prompt_hashes[:len(named)]:
             raise TransferError("the handle names blocks that are not this prompt's")
 
-    async def pull(self, handle: dict, policy: str, prompt_ids: list[int]) -> dict:
+    async def pull(self, handle: KVHandle, policy: str, prompt_ids: list[int]) -> PullReport:
         start = time.monotonic()
         engine = self.state.engine
         try:
             self._check_handle(handle, await asyncio.to_thread(engine.prompt_block_hashes, prompt_ids))
-            payload = await asyncio.to_thread(self.client.pull, handle, self.config.kv_pull_timeout,
+            payload = await asyncio.to_thread(self.client.pull, handle.model_dump(), self.config.kv_pull_timeout,
                                               engine.kv.layout)
             blocks = await self.state.async_engine.call(lambda e, p: e.import_kv(p), payload)
-            return {"blocks": blocks, "bytes": len(payload.data), "seconds": time.monotonic() - start, "error": None}
+            return PullReport(blocks=blocks, bytes=len(payload.data), seconds=time.monotonic() - start)
         except (TransferError, ValueError) as e:
             if policy == "fail":
                 raise ApiError(502, f"KV pull failed and the policy is 'fail': {e}", code="kv_pull_failed") from e
-            return {"blocks": 0, "bytes": 0, "seconds": time.monotonic() - start, "error": str(e)}
+            return PullReport(blocks=0, bytes=0, seconds=time.monotonic() - start, error=str(e))
 
-    async def pin(self, prompt_ids: list[int]) -> dict | None:
+    async def pin(self, prompt_ids: list[int]) -> KVHandle | None:
         if self.address is None:
             return None
         engine = self.state.async_engine
@@ -127,8 +102,8 @@ class Disaggregation:
         def pin(e, ids):
             return e.pin_kv(e.prompt_block_hashes(ids), self.config.kv_pin_seconds)
         grant = await engine.call(pin, prompt_ids)
-        return {**self.address, "pin_id": grant.pin_id, "secret": grant.secret,
-                "block_hashes": [h.hex() for h in grant.block_hashes]}
+        return KVHandle(**self.address, pin_id=grant.pin_id, secret=grant.secret,
+                        block_hashes=[h.hex() for h in grant.block_hashes])
 
 
 def add_internal_routes(app: FastAPI, state: WorkerState, config: ServerConfig, api, read_json) -> Disaggregation:
@@ -157,7 +132,7 @@ def add_internal_routes(app: FastAPI, state: WorkerState, config: ServerConfig, 
 
     @app.post("/internal/generate", dependencies=api)
     async def generate(request: Request):
-        req = await read_json(request, InternalGenerateRequest, config.max_body_bytes)
+        req = await read_json(request, GenerateRequest, config.max_body_bytes)
         if req.kv_export and disagg.address is None:
             raise ApiError(400, f"this worker's role is {config.role!r}; kv_export needs prefill or both")
         params, handoff = _request_plan(req)
@@ -173,15 +148,13 @@ def add_internal_routes(app: FastAPI, state: WorkerState, config: ServerConfig, 
         async for _ in events:
             pass
         out = run.choices[0].final
-        body = _summary(out, pulled)
-        if req.kv_export:
-            body["kv"] = await disagg.pin(list(req.prompt_token_ids))
-        return body
+        kv = await disagg.pin(list(req.prompt_token_ids)) if req.kv_export else None
+        return _result(out, pulled, kv).model_dump(mode="json")
 
     return disagg
 
 
-def _request_plan(req: InternalGenerateRequest) -> tuple[SamplingParams, HandOff]:
+def _request_plan(req: GenerateRequest) -> tuple[SamplingParams, HandOff]:
     """Sampling parameters (checked with the message) and the hand-off of an internal
     request; a bad hand-off is a 400."""
     params = req.sampling
@@ -201,24 +174,23 @@ def stream_error(e: Exception) -> dict:
     return error_body(503, f"{type(e).__name__}: {e}", code="worker_failed")
 
 
-def _summary(out, pulled) -> dict:
+def _result(out, pulled: PullReport | None, kv: KVHandle | None) -> GenerateResult:
     completion = out.outputs[0]
-    return {"request_id": out.request_id, "token_ids": completion.token_ids, "text": completion.text,
-            "finish_reason": completion.finish_reason, "prompt_tokens": len(out.prompt_token_ids),
-            "cached_tokens": out.cached_tokens, "kv_import": pulled, "logprobs": completion.logprobs}
+    return GenerateResult(request_id=out.request_id, token_ids=completion.token_ids, text=completion.text,
+                          finish_reason=completion.finish_reason, prompt_tokens=len(out.prompt_token_ids),
+                          cached_tokens=out.cached_tokens, kv_import=pulled, logprobs=completion.logprobs, kv=kv)
 
 
 async def _stream(run: RequestRun, events, pulled):
     try:
         async for _, out in events:
             logprobs = out.outputs[0].logprobs
-            event = {"token_ids": out.new_token_ids, "text": out.new_text,
-                     "finish_reason": out.outputs[0].finish_reason if out.finished else None,
-                     "logprobs": logprobs[-len(out.new_token_ids):] if logprobs and out.new_token_ids else None}
+            fields = dict(token_ids=out.new_token_ids, text=out.new_text,
+                          logprobs=logprobs[-len(out.new_token_ids):] if logprobs and out.new_token_ids else None)
             if out.finished:
-                event |= {"prompt_tokens": len(out.prompt_token_ids), "cached_tokens": out.cached_tokens,
-                          "kv_import": pulled}
-            yield sse(event)
+                fields |= dict(finish_reason=out.outputs[0].finish_reason, prompt_tokens=len(out.prompt_token_ids),
+                               cached_tokens=out.cached_tokens, kv_import=pulled)
+            yield sse(StreamEvent(**fields).model_dump(mode="json"))
     except Exception as e:  # noqa: BLE001 - an error event, never a hung stream
         yield sse(stream_error(e))
     finally:
