@@ -1,6 +1,6 @@
 import pytest
 
-from xlserve.worker.pricing import PriceTable
+from xlserve.openai.pricing import PriceTable
 
 
 def test_cached_input_is_discounted():

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from xlserve.worker.tool_parser import HermesToolParser, get_tool_parser
+from xlserve.openai.tool_parser import HermesToolParser, get_tool_parser
 
 TWO_CALLS = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
              '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>')

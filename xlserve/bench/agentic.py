@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from xlserve.worker.pricing import PriceTable
+from xlserve.openai.pricing import PriceTable
 
 TOOLS = [{"type": "function", "function": {
     "name": name, "description": desc,

@@ -16,14 +16,14 @@ from fastapi.responses import JSONResponse
 
 from xlserve.config import ServerConfig
 from xlserve.loader.tokenizer import load_model_tokenizer, prompt_token_ids
+from xlserve.openai.app import build_app
+from xlserve.openai.errors import error_body
+from xlserve.openai.serving_common import WorkerState
 from xlserve.router.index import PrefixIndex
 from xlserve.router.metrics import RouterMetrics
 from xlserve.router.policies import make_policy
 from xlserve.router.pool import WorkerPool
 from xlserve.router.remote_engine import SERVED_BY, SESSION, NoWorker, RemoteEngine, WorkerFailed
-from xlserve.worker.app import build_app
-from xlserve.worker.errors import error_body
-from xlserve.worker.serving_common import WorkerState
 
 log = logging.getLogger("xlserve.router")
 SESSION_HEADER = "x-session-affinity"

@@ -24,11 +24,11 @@ from pydantic import ValidationError
 from xlserve.engine.outputs import CompletionOutput, RequestOutput
 from xlserve.engine.request import FinishReason
 from xlserve.hashing import block_hashes
+from xlserve.openai.engine_client import EngineBusy, EngineClient, RequestFailed, RequestStream
 from xlserve.router.index import PrefixIndex
 from xlserve.router.policies import RouteRequest, RoutingPolicy
 from xlserve.router.pool import Worker, WorkerPool
 from xlserve.sampling_params import SamplingParams
-from xlserve.worker.engine_client import EngineBusy, EngineClient, RequestFailed, RequestStream
 from xlserve.worker.messages import GenerateResult, KVHandle, LogprobEntry, StreamEvent
 
 log = logging.getLogger(__name__)

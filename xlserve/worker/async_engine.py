@@ -26,8 +26,8 @@ from xlserve.engine.errors import FATAL_ERRORS, describe
 from xlserve.engine.llm_engine import LLMEngine
 from xlserve.engine.outputs import RequestOutput
 from xlserve.engine.request import HandOff
+from xlserve.openai.engine_client import EngineBusy, EngineClient, EngineDead, RequestFailed, RequestStream
 from xlserve.sampling_params import SamplingParams
-from xlserve.worker.engine_client import EngineBusy, EngineClient, EngineDead, RequestFailed, RequestStream
 
 __all__ = ["ACCEPTED", "AsyncEngine", "EngineBusy", "EngineDead", "LocalStream", "RequestFailed"]
 

@@ -26,12 +26,13 @@ from fastapi import FastAPI, Request
 
 from xlserve.config import ServerConfig, parse_peers
 from xlserve.engine.request import HandOff
+from xlserve.openai.choices import ChoiceRun, RequestRun, start_choices
+from xlserve.openai.engine_client import RequestFailed
+from xlserve.openai.errors import ApiError, error_body
+from xlserve.openai.event_stream import EventStreamResponse
+from xlserve.openai.serving_common import WorkerState, new_id, sse
 from xlserve.sampling_params import SamplingParams
 from xlserve.transfer.base import TransferError, transport
-from xlserve.worker.choices import ChoiceRun, RequestRun, start_choices
-from xlserve.worker.engine_client import RequestFailed
-from xlserve.worker.errors import ApiError, error_body
-from xlserve.worker.event_stream import EventStreamResponse
 from xlserve.worker.messages import (
     GenerateRequest,
     GenerateResult,
@@ -41,7 +42,6 @@ from xlserve.worker.messages import (
     PullReport,
     StreamEvent,
 )
-from xlserve.worker.serving_common import WorkerState, new_id, sse
 
 
 class Disaggregation:

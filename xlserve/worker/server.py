@@ -14,10 +14,10 @@ import uvicorn
 
 from xlserve.config import EngineConfig, ServerConfig
 from xlserve.engine.llm_engine import LLMEngine
-from xlserve.worker.app import build_app
+from xlserve.openai.app import build_app
+from xlserve.openai.serving_common import WorkerState
 from xlserve.worker.async_engine import AsyncEngine
 from xlserve.worker.metrics import WorkerMetrics
-from xlserve.worker.serving_common import WorkerState
 
 log = logging.getLogger("xlserve.worker")
 EXIT_ENGINE_DEAD = 3

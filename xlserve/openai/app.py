@@ -1,4 +1,5 @@
-"""The worker's HTTP server: OpenAI-compatible API around one engine.
+"""The OpenAI-compatible HTTP app around one engine client: a worker's local engine, or
+the router's remote one.
 
 FastAPI on uvicorn: an ASGI stack whose streaming responses notice client disconnects
 (which lets us abort the request and free its KV blocks), with pydantic models for
@@ -20,15 +21,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from xlserve.config import ServerConfig
-from xlserve.worker.engine_client import EngineBusy, EngineDead, RequestFailed
-from xlserve.worker.errors import ApiError, error_body
-from xlserve.worker.event_stream import EventStreamResponse
-from xlserve.worker.http_edge import HostGuard, allowed_hosts, check_json_content_type
-from xlserve.worker.pricing import PriceTable
-from xlserve.worker.protocol import ChatCompletionRequest, CompletionRequest
-from xlserve.worker.serving_chat import ChatHandler
-from xlserve.worker.serving_common import WorkerState
-from xlserve.worker.serving_completion import CompletionHandler
+from xlserve.openai.engine_client import EngineBusy, EngineDead, RequestFailed
+from xlserve.openai.errors import ApiError, error_body
+from xlserve.openai.event_stream import EventStreamResponse
+from xlserve.openai.http_edge import HostGuard, allowed_hosts, check_json_content_type
+from xlserve.openai.pricing import PriceTable
+from xlserve.openai.protocol import ChatCompletionRequest, CompletionRequest
+from xlserve.openai.serving_chat import ChatHandler
+from xlserve.openai.serving_common import WorkerState
+from xlserve.openai.serving_completion import CompletionHandler
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25

@@ -14,11 +14,11 @@ from typing import AsyncIterator
 
 from xlserve.engine.outputs import RequestOutput
 from xlserve.engine.request import HandOff
+from xlserve.openai.engine_client import EngineClient
+from xlserve.openai.errors import ApiError
+from xlserve.openai.pricing import PriceTable
 from xlserve.sampling_params import SamplingParams
-from xlserve.worker.engine_client import EngineClient
-from xlserve.worker.errors import ApiError
 from xlserve.worker.metrics import WorkerMetrics
-from xlserve.worker.pricing import PriceTable
 
 log = logging.getLogger("xlserve.requests")
 

@@ -13,7 +13,7 @@ import ipaddress
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from xlserve.worker.errors import ApiError, error_body
+from xlserve.openai.errors import ApiError, error_body
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 

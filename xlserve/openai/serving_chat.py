@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
-from xlserve.worker.choices import ChoiceRun, RequestRun, start_choices
-from xlserve.worker.conversation import chat_prompt_ids
-from xlserve.worker.errors import ApiError
-from xlserve.worker.protocol import ChatCompletionRequest
-from xlserve.worker.serving_common import WorkerState, chat_logprobs, chunk_sse, new_id, now, resolve_max_tokens, sse
-from xlserve.worker.tool_parser import get_tool_parser
+from xlserve.openai.choices import ChoiceRun, RequestRun, start_choices
+from xlserve.openai.conversation import chat_prompt_ids
+from xlserve.openai.errors import ApiError
+from xlserve.openai.protocol import ChatCompletionRequest
+from xlserve.openai.serving_common import WorkerState, chat_logprobs, chunk_sse, new_id, now, resolve_max_tokens, sse
+from xlserve.openai.tool_parser import get_tool_parser
 
 
 class ChatHandler:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from xlserve.loader.tokenizer import Tokenizer
-from xlserve.worker.protocol import ChatMessage, Tool
-from xlserve.worker.tool_parser import HERMES_TOOL_PROMPT
+from xlserve.openai.protocol import ChatMessage, Tool
+from xlserve.openai.tool_parser import HERMES_TOOL_PROMPT
 
 
 def _arguments(raw: str):

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 from xlserve.loader.tokenizer import Tokenizer
-from xlserve.worker.engine_client import EngineClient
-from xlserve.worker.errors import ApiError
+from xlserve.openai.engine_client import EngineClient
+from xlserve.openai.errors import ApiError
+from xlserve.openai.pricing import PriceTable
 from xlserve.worker.metrics import WorkerMetrics
-from xlserve.worker.pricing import PriceTable
 
 if TYPE_CHECKING:  # the router's state holds a RouterFront instead, and never imports torch
     from xlserve.engine.llm_engine import LLMEngine

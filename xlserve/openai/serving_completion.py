@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
-from xlserve.worker.choices import ChoiceRun, RequestRun, start_choices
-from xlserve.worker.errors import ApiError
-from xlserve.worker.protocol import CompletionRequest
-from xlserve.worker.serving_common import (
+from xlserve.openai.choices import ChoiceRun, RequestRun, start_choices
+from xlserve.openai.errors import ApiError
+from xlserve.openai.protocol import CompletionRequest
+from xlserve.openai.serving_common import (
     WorkerState,
     chunk_sse,
     completion_logprobs,
