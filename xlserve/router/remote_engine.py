@@ -243,6 +243,21 @@ class RemoteEngine(EngineClient):
             await self._release(prefill, handle, released)
 
     async def _prefill(self, worker: Worker, ids, params, request_id) -> GenerateResult:
+        """The prefill's answer. A client that leaves meanwhile does not cancel the call:
+        the worker pins the blocks anyway, so the router waits for the handle and releases it
+        (else the pin would hold those blocks until it expires)."""
+        call = asyncio.ensure_future(self._prefill_call(worker, ids, params, request_id))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            call.add_done_callback(lambda done: self._release_orphan(worker, done))
+            raise
+
+    def _release_orphan(self, worker: Worker, call: asyncio.Future) -> None:
+        if not call.cancelled() and call.exception() is None and call.result().kv is not None:
+            asyncio.ensure_future(self._release(worker, call.result().kv, set()))
+
+    async def _prefill_call(self, worker: Worker, ids, params, request_id) -> GenerateResult:
         body = {"request_id": f"{request_id}-p", "prompt_token_ids": ids, "sampling": params.to_wire(),
                 "kv_export": True}
         worker.prefill_tokens += len(ids)
