@@ -36,13 +36,15 @@ class _DeadlineReader:
         self.sock, self.deadline, self.buffer = sock, deadline, bytearray()
 
     def _fill(self, want: int) -> None:
+        """At least ``want`` bytes buffered; reads in chunks (a header line must not cost a
+        system call per byte; what is read past it stays buffered for the payload)."""
         while len(self.buffer) < want:
             left = self.deadline - time.monotonic()
             if left <= 0:
                 raise TransferError(f"timed out with {len(self.buffer)} of {want} bytes read")
             self.sock.settimeout(left)
             try:
-                chunk = self.sock.recv(min(want - len(self.buffer), 1 << 20))
+                chunk = self.sock.recv(min(max(want - len(self.buffer), 1 << 16), 1 << 20))
             except socket.timeout as e:
                 raise TransferError(f"timed out with {len(self.buffer)} of {want} bytes read") from e
             if not chunk:
@@ -55,12 +57,17 @@ class _DeadlineReader:
                 raise TransferError("oversized header line")
             self._fill(len(self.buffer) + 1)
         end = self.buffer.index(b"\n")
-        line, self.buffer = bytes(self.buffer[:end]), self.buffer[end + 1:]
+        if end > MAX_LINE:
+            raise TransferError("oversized header line")
+        line = bytes(self.buffer[:end])
+        del self.buffer[:end + 1]
         return _json_object(line)
 
     def exactly(self, n: int) -> bytes:
         self._fill(n)
-        data, self.buffer = bytes(self.buffer[:n]), self.buffer[n:]
+        with memoryview(self.buffer) as view:
+            data = bytes(view[:n])
+        del self.buffer[:n]
         return data
 
 
