@@ -15,8 +15,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from xlserve.openai.errors import ApiError, error_body
 
-LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
-
 
 def is_loopback(host: str) -> bool:
     host = host.strip("[]").lower()

@@ -134,7 +134,6 @@ class RemoteEngine(EngineClient):
         self.block_size, self.max_model_len = int(info["block_size"]), int(info["max_model_len"])
         self.extra_key = bytes.fromhex(info.get("kv_extra_key", ""))
         self.max_inflight, self.inflight = max_inflight, 0
-        self.dead = None
         self.stats = {}
 
     def health_problem(self, hang_timeout: float = 0.0) -> str | None:

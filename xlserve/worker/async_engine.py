@@ -37,6 +37,12 @@ log = logging.getLogger(__name__)
 ACCEPTED = object()  # the engine took the request; its outputs follow
 
 
+def _refusal(error: Exception) -> Exception:
+    """What a stream gets when its request is not taken: a ``ValueError`` is the client's
+    mistake (a 400); anything else failed this request alone."""
+    return error if isinstance(error, ValueError) else RequestFailed(describe(error))
+
+
 class LocalStream(RequestStream):
     """The outputs of one request. However it ends (finished, error, closed, or dropped
     without ever being read), the request is released and, if unfinished, aborted."""
@@ -145,8 +151,8 @@ class AsyncEngine(EngineClient):
             return  # the client left while the request queued for its check
         try:
             self.engine.validate_request(prompt_ids, params, handoff)
-        except Exception as e:  # noqa: BLE001 - a ValueError is the client's; anything else is ours
-            self._deliver(request_id, e if isinstance(e, ValueError) else RequestFailed(describe(e)))
+        except Exception as e:  # noqa: BLE001 - see _refusal
+            self._deliver(request_id, _refusal(e))
             return
         self._commands.put(("add", request_id, prompt_ids, params, handoff))
 
@@ -200,9 +206,9 @@ class AsyncEngine(EngineClient):
                 self.engine.add_request(request_id, ids, params, handoff, checked=True)
             except FATAL_ERRORS:
                 raise
-            except Exception as e:  # noqa: BLE001 - refused (ValueError) or failed: this request only
+            except Exception as e:  # noqa: BLE001 - see _refusal: this request only
                 self.engine.abort_request(request_id)
-                self._deliver(request_id, e if isinstance(e, ValueError) else RequestFailed(describe(e)))
+                self._deliver(request_id, _refusal(e))
                 return
             self._deliver(request_id, ACCEPTED)
         elif kind == "abort":
