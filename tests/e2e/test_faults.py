@@ -190,17 +190,9 @@ def _until_recovered(url: str, serve_pid: int, role: str, old_pid: int, health: 
 
 def test_serve_restarts_killed_and_stopped_workers_under_load():
     import signal
-    import subprocess
-    import sys
-
-    from tests.e2e.server_process import free_port
-    from xlserve.launcher import wait_healthy
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    serve = subprocess.Popen([sys.executable, "-m", "xlserve.cli", "serve", "--port", str(port), "--log-level",
-                              "warning", "--worker-timeout", "8", "--unhealthy-restart", "4"])
-    try:
-        wait_healthy([(serve, url)])
+    with running_server("--log-level", "warning", "--worker-timeout", "8", "--unhealthy-restart", "4",
+                        command="serve") as url:
+        serve = PROCESSES[url]
         load = Load(url)
         time.sleep(2)
         try:
@@ -217,7 +209,6 @@ def test_serve_restarts_killed_and_stopped_workers_under_load():
             outcomes = load.finish()
         assert serve.poll() is None
         workers = [_worker_pid(serve.pid, role) for role in ("prefill", "decode")]
-    finally:
         serve.send_signal(signal.SIGTERM)  # what docker stop and systemd send
         serve.wait(30)
     time.sleep(1)

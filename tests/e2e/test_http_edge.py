@@ -2,15 +2,12 @@
 every door, and no key on any command line."""
 
 import re
-import signal
-import subprocess
-import sys
 
 import httpx
 import psutil
 import pytest
 
-from tests.e2e.server_process import free_port, running_server
+from tests.e2e.server_process import PROCESSES, running_server
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 KEY = "edge-test-key-5a1c"
@@ -54,14 +51,9 @@ def test_the_router_wants_its_key_from_the_environment(edge):
 
 
 def test_serve_puts_no_key_on_any_command_line():
-    from xlserve.launcher import wait_healthy
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    serve = subprocess.Popen([sys.executable, "-m", "xlserve.cli", "serve", "--port", str(port), "--log-level",
-                              "warning"], env={**__import__("os").environ, "XLSERVE_API_KEY": KEY})
-    try:
-        wait_healthy([(serve, url)])
-        procs = [psutil.Process(serve.pid), *psutil.Process(serve.pid).children(recursive=True)]
+    with running_server("--log-level", "warning", command="serve", env={"XLSERVE_API_KEY": KEY}) as url:
+        serve = psutil.Process(PROCESSES[url].pid)
+        procs = [serve, *serve.children(recursive=True)]
         assert len(procs) >= 3
         for proc in procs:
             cmdline = " ".join(proc.cmdline())
@@ -72,6 +64,3 @@ def test_serve_puts_no_key_on_any_command_line():
             assert httpx.get(f"{w['url']}/internal/info", headers={"authorization": f"Bearer {KEY}"}).status_code == 401
         assert httpx.post(f"{url}/v1/chat/completions", json=CHAT,
                           headers={"authorization": f"Bearer {KEY}"}).status_code == 200
-    finally:
-        serve.send_signal(signal.SIGINT)
-        serve.wait(30)
