@@ -12,6 +12,9 @@ import sys
 
 from xlserve.cli_args import add_config_args, config_from_args
 from xlserve.config import (
+    ROUTER,
+    SERVE,
+    WORKER,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -40,10 +43,22 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 def _setup_logging(level: str = "info") -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    # httpx logs every internal call (health checks, KV events) at INFO: ~7,000 lines an idle hour
+    logging.getLogger("httpx").setLevel(logging.DEBUG if level == "debug" else logging.WARNING)
+
+
+def _preflight(args, model: str) -> None:
+    """What can be known wrong before anything loads, reported once (see ``xlserve.preflight``)."""
+    from xlserve.preflight import check_model, check_port
+    from xlserve.supervisor import stop_on_hangup
+    check_port(args.host, args.port)
+    check_model(model)
+    stop_on_hangup()
 
 
 def cmd_serve(args) -> int:
     from xlserve.launcher import serve
+    _preflight(args, args.model)
     _setup_logging(args.log_level)
     serve(_engine_config(args), _server_config(args), colocated=args.colocated,
           supervision=config_from_args(args, SupervisorConfig))
@@ -52,6 +67,7 @@ def cmd_serve(args) -> int:
 
 def cmd_worker(args) -> int:
     from xlserve.worker.server import run_worker
+    _preflight(args, args.model)
     _setup_logging(args.log_level)
     run_worker(_engine_config(args), _server_config(args))
     return 0
@@ -59,6 +75,7 @@ def cmd_worker(args) -> int:
 
 def cmd_router(args) -> int:
     from xlserve.router.app import RouterOptions, run_router
+    _preflight(args, args.model)
     _setup_logging(args.log_level)
     server = _server_config(args)
     opts = RouterOptions(prefill=tuple(args.prefill), decode=tuple(args.decode), both=tuple(args.both),
@@ -93,12 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
                                      "built for agentic traffic. Run 'xlserve COMMAND --help' for the flags.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text, func in (
-            ("serve", "the main job: a router plus a prefill and a decode worker, each its own process, "
-                      "serving the OpenAI API (--colocated: one worker)", cmd_serve),
-            ("worker", "run one worker: an HTTP server around one engine", cmd_worker)):
+            (SERVE, "the main job: a router plus a prefill and a decode worker, each its own process, "
+                    "serving the OpenAI API (--colocated: one worker)", cmd_serve),
+            (WORKER, "run one worker: an HTTP server around one engine", cmd_worker)):
         p = sub.add_parser(name, help=help_text, description=help_text)
         _add_engine_args(p)
-        add_config_args(p, ServerConfig, "server")
+        add_config_args(p, ServerConfig, "server", command=name)
         if name == "serve":
             add_config_args(p, SupervisorConfig, "supervision of the workers")
             p.add_argument("--colocated", action="store_true",
@@ -114,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how workers are picked")
     r.add_argument("--no-affinity", action="store_true", help="ignore the x-session-affinity header")
     r.add_argument("--model", default="default", help="the workers' model, for the tokenizer and chat template")
-    add_config_args(r, ServerConfig, "server")
+    add_config_args(r, ServerConfig, "server", command=ROUTER)
     r.set_defaults(func=cmd_router)
     g = sub.add_parser("generate", help="generate text for one prompt and print it",
                        description="Generate text for one prompt with the offline engine.")

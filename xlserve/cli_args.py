@@ -7,12 +7,22 @@ import dataclasses
 import typing
 
 
-def add_config_args(parser: argparse.ArgumentParser, cls, title: str | None = None) -> None:
+def _takes(f: dataclasses.Field, command: str | None) -> bool:
+    """Whether ``command``'s CLI has this field: not for keys (environment or file only), and
+    only for the commands its ``commands`` metadata names, where it names any."""
+    if not f.metadata.get("cli", True):
+        return False
+    return command is None or command in f.metadata.get("commands", (command,))
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls, title: str | None = None,
+                    command: str | None = None) -> None:
+    """One flag per field of ``cls`` that ``command`` takes (see ``_takes``)."""
     group = parser.add_argument_group(title or cls.__name__)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if not f.metadata.get("cli", True):
-            continue  # set from the environment or a file only (keys)
+        if not _takes(f, command):
+            continue
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
         help_text = f.metadata.get("help", "") + f" (default: {f.default!r})"
@@ -25,8 +35,10 @@ def add_config_args(parser: argparse.ArgumentParser, cls, title: str | None = No
 
 
 def config_from_args(args: argparse.Namespace, cls):
-    """Build ``cls`` from parsed flags; a ``ValueError`` from validation names the problem."""
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.metadata.get("cli", True)})
+    """Build ``cls`` from parsed flags (defaults for fields this command has no flag for);
+    a ``ValueError`` from validation names the problem."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                  if f.metadata.get("cli", True) and hasattr(args, f.name)})
 
 
 def config_to_args(config) -> list[str]:

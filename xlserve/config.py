@@ -19,6 +19,10 @@ def _opt(default, help: str, secret: bool = False, **extra):
     return field(default=default, metadata={"help": help, **extra}, repr=not secret)
 
 
+# Which commands take a ServerConfig flag (``commands`` metadata); unnamed: all three.
+WORKER, ROUTER, SERVE = "worker", "router", "serve"
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = _opt(
@@ -156,22 +160,26 @@ class ServerConfig:
     tool_parser: str = _opt("hermes", "Parser that turns model output into tool_calls.")
     log_level: str = _opt("info", "Log level: debug, info, warning, error.",
                           choices=("debug", "info", "warning", "error"))
+    log_requests: bool = _opt(True, "Log one line per finished request (id, session, workers, status, "
+                              "prompt/cached/generated tokens, TTFT, duration).")
     role: str = _opt("both", "Worker role in prefill/decode disaggregation: both, prefill or decode.",
-                     choices=("both", "prefill", "decode"))
-    kv_transport: str = _opt("tcp", "How KV blocks travel between workers.")
-    kv_host: str = _opt("127.0.0.1", "Address the KV transfer server binds (prefill role).")
-    kv_port: int = _opt(0, "Port of the KV transfer server; 0 picks a free one.")
+                     choices=("both", "prefill", "decode"), commands=(WORKER,))
+    kv_transport: str = _opt("tcp", "How KV blocks travel between workers.", commands=(WORKER, SERVE))
+    kv_host: str = _opt("127.0.0.1", "Address the KV transfer server binds (prefill role).", commands=(WORKER,))
+    kv_port: int = _opt(0, "Port of the KV transfer server; 0 picks a free one.", commands=(WORKER,))
     kv_peers: str = _opt("", "Comma-separated host:port of KV servers this worker may always pull from, "
-                         "besides those its router registers (POST /internal/kv/peers).")
-    kv_pin_seconds: float = _opt(30.0, "How long exported KV blocks stay pinned for a decode worker to pull.")
-    kv_pull_timeout: float = _opt(10.0, "Seconds a decode worker waits for a KV pull.")
+                         "besides those its router registers (POST /internal/kv/peers).", commands=(WORKER,))
+    kv_pin_seconds: float = _opt(30.0, "How long exported KV blocks stay pinned for a decode worker to pull.",
+                                 commands=(WORKER, SERVE))
+    kv_pull_timeout: float = _opt(10.0, "Seconds a decode worker waits for a KV pull.", commands=(WORKER, SERVE))
     kv_pull_failure: str = _opt("recompute", "When a KV pull fails: recompute the prefill here, or fail.",
-                                choices=("recompute", "fail"))
+                                choices=("recompute", "fail"), commands=(WORKER, SERVE))
     hang_timeout: float = _opt(60.0, "Seconds one engine step may run before /health reports the worker "
                                "hung (503), so the router stops sending it work and `xlserve serve` "
-                               "restarts it.")
+                               "restarts it.", commands=(WORKER, SERVE))
     worker_timeout: float = _opt(60.0, "Router: seconds a worker may send nothing (no answer, no streamed "
-                                 "token) before the request fails over and the worker is marked down.")
+                                 "token) before the request fails over and the worker is marked down.",
+                                 commands=(ROUTER, SERVE))
     price_input: float = _opt(0.60, "Price per million uncached input tokens, reported in usage.cost.")
     price_cached_input: float = _opt(0.10, "Price per million cached input tokens (the cache discount).")
     price_output: float = _opt(3.00, "Price per million output tokens.")

@@ -6,6 +6,7 @@ worker instead. A supervisor restarts a worker that exits or stops answering (se
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -18,7 +19,7 @@ import time
 import httpx
 
 from xlserve.cli_args import config_to_args
-from xlserve.config import EngineConfig, ServerConfig, SupervisorConfig
+from xlserve.config import SERVE, WORKER, EngineConfig, ServerConfig, SupervisorConfig
 from xlserve.supervisor import Supervisor, WorkerProcess, die_with_parent, raise_on_sigterm, stop_processes
 
 log = logging.getLogger("xlserve.serve")
@@ -37,8 +38,8 @@ def worker_process(role: str, engine: EngineConfig, server: ServerConfig, key: s
     ``cores``: pin it there (one thread each)."""
     port = free_port()
     args = [sys.executable, "-m", "xlserve.cli", "worker", "--role", role, "--host", "127.0.0.1",
-            "--port", str(port), "--log-level", server.log_level, "--hang-timeout", str(server.hang_timeout)]
-    for part in (engine.model, engine.cache, engine.scheduler):
+            "--port", str(port)]
+    for part in (engine.model, engine.cache, engine.scheduler, worker_server_config(server)):
         args += config_to_args(part)
     env = {**os.environ, "XLSERVE_INTERNAL_API_KEY": key}  # never on a command line
     if cores:
@@ -52,6 +53,14 @@ def worker_process(role: str, engine: EngineConfig, server: ServerConfig, key: s
     worker = WorkerProcess(role, f"http://127.0.0.1:{port}", spawn)
     worker.start()
     return worker
+
+
+def worker_server_config(server: ServerConfig) -> ServerConfig:
+    """The flags of ``serve`` that configure its workers (logging, KV hand-off, hang
+    timeout); the rest (address, keys, prices) belong to the router."""
+    shared = {f.name for f in dataclasses.fields(ServerConfig)
+              if {WORKER, SERVE} <= set(f.metadata.get("commands", ()))} | {"log_level", "log_requests"}
+    return ServerConfig(**{name: getattr(server, name) for name in shared})
 
 
 def start_worker(role: str, engine: EngineConfig, key: str, log_level: str,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import signal
 import subprocess
 import threading
@@ -152,3 +153,10 @@ def raise_on_sigterm() -> None:
     def handler(signum, frame):
         raise SystemExit(128 + signum)
     signal.signal(signal.SIGTERM, handler)
+
+
+def stop_on_hangup() -> None:
+    """SIGHUP (the terminal closed, ``kill -HUP``) stops a server as SIGTERM does: through
+    whichever SIGTERM handler is installed when it arrives (uvicorn's graceful exit, or
+    ``raise_on_sigterm``'s cleanup), never the default instant death."""
+    signal.signal(signal.SIGHUP, lambda signum, frame: os.kill(os.getpid(), signal.SIGTERM))

@@ -1,8 +1,12 @@
 """`xlserve generate --json` and `--help` as a user runs them."""
 
 import json
+import re
+import socket
 import subprocess
 import sys
+
+import pytest
 
 
 def _xlserve(*args):
@@ -28,6 +32,34 @@ def test_help_and_bad_flags():
     assert bad.returncode == 2 and "block_size must be a power of two" in bad.stderr
     missing = _xlserve("generate", "--prompt", "x", "--model", "/no/such/model")
     assert missing.returncode == 2 and "not found" in missing.stderr
+
+
+def test_each_command_shows_only_the_flags_it_takes():
+    def flags(command):
+        return set(re.findall(r"^\s+(--[a-z-]+)", _xlserve(command, "--help").stdout, re.M))
+    serve, worker, router = flags("serve"), flags("worker"), flags("router")
+    assert {"--role", "--kv-host", "--kv-port", "--kv-peers"} <= worker - serve - router  # serve picks these
+    assert "--worker-timeout" in router & serve and "--worker-timeout" not in worker
+    assert "--hang-timeout" in worker & serve and "--hang-timeout" not in router
+    assert {"--prefill", "--decode", "--policy"} <= router - serve - worker
+    assert {"--max-restarts", "--colocated"} <= serve - worker - router
+    assert {"--api-key-file", "--log-requests", "--port"} <= serve & worker & router
+
+
+@pytest.mark.parametrize("command", ["serve", "worker", "router"])
+def test_a_port_in_use_or_a_bad_model_is_one_error_line_before_anything_loads(command, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        busy = _xlserve(command, "--port", port)
+    (tmp_path / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"]}')
+    for run, expected in ((busy, f"cannot listen on 127.0.0.1:{port}"),
+                          (_xlserve(command, "--model", "/no/such/model"), "not found"),
+                          (_xlserve(command, "--model", str(tmp_path)), "NoSuchForCausalLM")):
+        assert run.returncode == 2, run.stderr
+        assert run.stderr.count("xlserve: error:") == 1 and expected in run.stderr, run.stderr
+        assert "Traceback" not in run.stderr
 
 
 def test_bench_engine_runs_xlserve_and_reports_every_row(tmp_path):
@@ -66,7 +98,7 @@ def test_readme_routing_recipe_runs_as_written():
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and proc.poll() is None:
             try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass

@@ -174,10 +174,12 @@ def _worker_pid(serve_pid: int, role: str) -> int:
 
 
 def _until_recovered(url: str, serve_pid: int, role: str, old_pid: int, health: list) -> float:
-    """Seconds until a request succeeds on a new ``role`` worker; router health is sampled."""
+    """Seconds until a request succeeds on a new ``role`` worker; the router's liveness and
+    readiness are sampled (as (health, ready) status pairs)."""
     began = time.monotonic()
     while time.monotonic() - began < 90:
-        health.append(httpx.get(f"{url}/health", timeout=5).status_code)
+        health.append((httpx.get(f"{url}/health", timeout=5).status_code,
+                       httpx.get(f"{url}/ready", timeout=5).status_code))
         try:
             new_pid = _worker_pid(serve_pid, role)
         except (LookupError, psutil.Error):
@@ -201,8 +203,9 @@ def test_serve_restarts_killed_and_stopped_workers_under_load():
                 pid, health = _worker_pid(serve.pid, role), []
                 psutil.Process(pid).send_signal(sig)
                 recovered[(role, sig)] = _until_recovered(url, serve.pid, role, pid, health)
-                assert 503 in health, health  # the router's health showed the gap
-                assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+                assert (200, 503) in health, health  # alive all along, and not ready during the gap
+                assert {live for live, _ in health} == {200}, health
+                assert httpx.get(f"{url}/ready", timeout=5).status_code == 200
                 assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
                 time.sleep(3)  # the load runs on the recovered stack
         finally:

@@ -90,6 +90,7 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
     its session header there); ``response_headers()``: extra response headers (the router
     names the workers it routed to)."""
     app = FastAPI(title=title, docs_url=None, redoc_url=None)
+    logging.getLogger("xlserve.requests").disabled = not config.log_requests
     hosts = allowed_hosts(config.host, config.allowed_hosts)
     if hosts is not None:
         app.add_middleware(HostGuard, allowed=hosts)
@@ -152,10 +153,16 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
 
     @app.get("/health")
     async def health():
+        """Liveness (restart me if not 200): the engine runs and no step hangs."""
         problem = state.async_engine.health_problem(config.hang_timeout)
-        if problem is not None:
-            return error_response(503, problem)
-        return {"status": "ok"}
+        return error_response(503, problem) if problem else {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        """Readiness (send me requests if 200): alive, and a healthy worker for every stage."""
+        engine = state.async_engine
+        problem = engine.health_problem(config.hang_timeout) or engine.readiness_problem()
+        return error_response(503, problem) if problem else {"status": "ready"}
 
     @app.get("/metrics", dependencies=observe)
     async def metrics():

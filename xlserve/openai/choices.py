@@ -77,11 +77,12 @@ async def start_choices(engine: EngineClient, run: RequestRun,
         if isinstance(e, ValueError):
             raise ApiError(400, str(e)) from e
         raise
-    return _merge(run, list(zip(run.choices, streams)), metrics)
+    return _merge(run, list(zip(run.choices, streams)), metrics, engine)
 
 
-async def _merge(run: RequestRun, streams: list, metrics: WorkerMetrics):
-    """Errors of any choice propagate; leaving early aborts every choice still running."""
+async def _merge(run: RequestRun, streams: list, metrics: WorkerMetrics, engine: EngineClient):
+    """Errors of any choice propagate; leaving early aborts every choice still running
+    (counted as ``abort`` in the finished-requests metric)."""
     queue: asyncio.Queue = asyncio.Queue()
     done_marker = object()
 
@@ -97,6 +98,7 @@ async def _merge(run: RequestRun, streams: list, metrics: WorkerMetrics):
 
     tasks = [asyncio.create_task(pump(c, s)) for c, s in streams]
     remaining = len(tasks)
+    status = "aborted"  # unless the loop ends or raises: the consumer left early
     try:
         while remaining:
             item = await queue.get()
@@ -104,15 +106,19 @@ async def _merge(run: RequestRun, streams: list, metrics: WorkerMetrics):
                 remaining -= 1
                 continue
             if isinstance(item, BaseException):
+                status = f"error ({type(item).__name__})"
                 raise item
             choice, out = item
             _observe(run, choice, out, metrics)
             yield choice, out
+        status = "ok"
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        _log_request(run)
+        if status == "aborted":
+            metrics.requests.labels(finish_reason="abort").inc(sum(c.final is None for c in run.choices))
+        _log_request(run, status, engine.placement())
 
 
 def _observe(run: RequestRun, choice: ChoiceRun, out: RequestOutput, metrics: WorkerMetrics) -> None:
@@ -131,10 +137,12 @@ def _observe(run: RequestRun, choice: ChoiceRun, out: RequestOutput, metrics: Wo
                                  out.outputs[0].finish_reason)
 
 
-def _log_request(run: RequestRun) -> None:
+def _log_request(run: RequestRun, status: str, placement: dict[str, str]) -> None:
+    """One line per request (``--no-log-requests`` silences the ``xlserve.requests`` logger)."""
     usage = run.usage()
     ttft = f"{(run.first_token - run.start) * 1000:.0f}ms" if run.first_token else "-"
-    reasons = ",".join(sorted({c.final.outputs[0].finish_reason or "-" for c in run.choices if c.final})) or "abort"
-    log.info("request %s: prompt=%d cached=%d generated=%d ttft=%s duration=%.0fms finish=%s",
-             run.request_id, usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"],
+    reasons = ",".join(sorted({c.final.outputs[0].finish_reason or "-" for c in run.choices if c.final})) or "-"
+    where = "".join(f" {key}={value}" for key, value in placement.items())
+    log.info("request %s:%s status=%s prompt=%d cached=%d generated=%d ttft=%s duration=%.0fms finish=%s",
+             run.request_id, where, status, usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"],
              usage["completion_tokens"], ttft, (time.monotonic() - run.start) * 1000, reasons)

@@ -53,4 +53,14 @@ class EngineClient(ABC):
 
     @abstractmethod
     def health_problem(self, hang_timeout: float) -> str | None:
-        """Why this engine cannot serve now, or None."""
+        """Liveness: why this process should be restarted (engine stopped or hung), or None."""
+
+    def readiness_problem(self) -> str | None:
+        """Readiness, besides liveness: why requests should not be sent here now (the
+        router: a stage without a healthy worker), or None."""
+        return None
+
+    def placement(self) -> dict[str, str]:
+        """Where the request being served in this context ran (session, workers), for its
+        log line; empty for a local engine."""
+        return {}

@@ -137,9 +137,15 @@ class RemoteEngine(EngineClient):
         self.stats = {}
 
     def health_problem(self, hang_timeout: float = 0.0) -> str | None:
-        """Why the router cannot serve now (a stage with no healthy worker), or None."""
+        return None  # the router process is alive; its workers' state is readiness
+
+    def readiness_problem(self) -> str | None:
+        """A stage with no healthy worker, or None."""
         missing = [stage for stage in ("prefill", "decode") if not self.pool.candidates(stage)]
         return f"no healthy {' or '.join(missing)} worker" if missing else None
+
+    def placement(self) -> dict[str, str]:
+        return {"session": SESSION.get() or "-", "workers": ",".join(dict.fromkeys(SERVED_BY.get() or [])) or "-"}
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                handoff: None = None) -> RemoteStream:

@@ -1,0 +1,92 @@
+"""What an agent and an operator do to `xlserve serve` (router + prefill + decode) on day
+one: cancel streams, send SIGHUP, kill the parent outright."""
+
+import re
+import signal
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.e2e.server_process import PROCESSES, metric, running_server
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def _counter(url: str, name: str, **labels) -> float:
+    """The value of one labelled series in ``url``'s /metrics (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if re.fullmatch(rf"{name}\{{{want}\}} \S+", line):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _workers(url: str) -> dict[str, str]:
+    return {w["role"]: w["url"] for w in httpx.get(f"{url}/router/workers").json()}
+
+
+def _gone_within(pids: list[int], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.fixture(scope="module")
+def serve():
+    with running_server("--log-level", "warning", command="serve") as url:
+        yield url
+
+
+def test_a_stream_cancelled_after_3_chunks_is_gone_from_the_decode_worker_within_1s(serve):
+    decode = _workers(serve)["decode"]
+    aborted_before = _counter(serve, "xlserve_requests_total", finish_reason="abort")
+    client = openai.OpenAI(base_url=f"{serve}/v1", api_key="none", max_retries=0)
+    stream = client.chat.completions.create(model=MODEL, stream=True, max_tokens=2000,
+                                            messages=[{"role": "user", "content": "Count to a thousand."}],
+                                            extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    assert metric(decode, "xlserve_requests_running") == 1  # it is generating on the decode worker
+    stream.close()
+    left = time.monotonic()
+    while time.monotonic() - left < 5:
+        if metric(decode, "xlserve_requests_running") == 0 and metric(decode, "xlserve_kv_blocks_used") == 0:
+            break
+        time.sleep(0.05)
+    idle_after = time.monotonic() - left
+    print(f"decode worker idle {idle_after * 1000:.0f} ms after the client left")
+    assert idle_after < 1.0
+    deadline = time.monotonic() + 5  # the router counts it once its generator has closed
+    while _counter(serve, "xlserve_requests_total", finish_reason="abort") == aborted_before:
+        assert time.monotonic() < deadline, "the router never counted the abort"
+        time.sleep(0.1)
+    assert _counter(decode, "xlserve_requests_total", finish_reason="abort") >= 1
+
+
+def test_sighup_stops_serve_and_its_workers_like_ctrl_c(serve):
+    proc = PROCESSES[serve]
+    workers = [child.pid for child in psutil.Process(proc.pid).children()]
+    assert len(workers) == 2
+    proc.send_signal(signal.SIGHUP)
+    code = proc.wait(timeout=10)
+    assert code >= 0, code  # it exited through its cleanup, not killed by the signal's default action
+    assert _gone_within(workers, 1)
+
+
+def test_sigkill_of_serve_leaves_no_worker_after_10s():
+    with running_server("--log-level", "warning", command="serve") as url:
+        proc = PROCESSES[url]
+        workers = [child.pid for child in psutil.Process(proc.pid).children()]
+        assert len(workers) == 2
+        proc.kill()  # no cleanup runs in serve: only the kernel's parent-death signal reaches them
+        proc.wait()
+        assert _gone_within(workers, 10)
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{url}/health", timeout=1)
