@@ -157,7 +157,12 @@ class ServerConfig:
                               "a loopback address ('*': any). Guards against DNS rebinding.")
     metrics_need_key: bool = _opt(False, "Put /metrics and /router/workers behind the API key too.")
     max_body_bytes: int = _opt(8 * 1024 * 1024, "Largest request body accepted; larger ones get 413.")
-    tool_parser: str = _opt("hermes", "Parser that turns model output into tool_calls.")
+    tool_parser: str = _opt("auto", "Tool-call format to read from the model's output: auto (from the chat "
+                            "template: Kimi K2, DeepSeek-V3/V3.1, Mistral, pythonic, Llama 3 JSON, else Hermes) "
+                            "or one of kimi_k2, deepseek_v3, deepseek_v31, mistral, pythonic, llama3_json, hermes.")
+    reasoning_parser: str = _opt("auto", "Where <think>...</think> goes: auto (reasoning_content when the chat "
+                                 "template mentions <think>), think (always), none (left in content).",
+                                 choices=("auto", "think", "none"))
     log_level: str = _opt("info", "Log level: debug, info, warning, error.",
                           choices=("debug", "info", "warning", "error"))
     log_requests: bool = _opt(True, "Log one line per finished request (id, session, workers, status, "

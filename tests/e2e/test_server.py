@@ -232,19 +232,45 @@ def test_tool_call_parsed_non_streamed(client, model, tool_choice):
     assert isinstance(json.loads(call.function.arguments)["city"], str)
 
 
-def test_tool_call_streamed_as_deltas(client, model):
+def test_tool_call_arguments_stream_as_they_are_generated(client, model):
     stream = client.chat.completions.create(model=model, messages=WEATHER_Q, tools=[WEATHER_TOOL],
                                             tool_choice="required", max_tokens=80, temperature=0, stream=True)
-    calls, reasons, content = [], [], ""
+    calls, reasons, content, chunks = [], [], "", 0
     for chunk in stream:
         for c in chunk.choices:
-            calls += c.delta.tool_calls or []
+            chunks += 1
+            calls += [(chunks, d) for d in c.delta.tool_calls or []]
             content += c.delta.content or ""
             if c.finish_reason:
                 reasons.append(c.finish_reason)
     assert reasons == ["tool_calls"] and content == ""
-    assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "get_weather"
-    assert "city" in json.loads(calls[0].function.arguments)
+    first_at, first = calls[0]
+    assert first.index == 0 and first.function.name == "get_weather" and first.id  # the name comes first
+    assert all(d.index == 0 and d.function.name is None for _, d in calls[1:])
+    arguments = "".join(d.function.arguments or "" for _, d in calls)
+    assert "city" in json.loads(arguments)  # the pieces concatenate to valid JSON
+    pieces = [at for at, d in calls[1:] if d.function.arguments]
+    print(f"tool call: name at chunk {first_at}, {len(pieces)} argument pieces, last at chunk {max(pieces)}")
+    assert len(pieces) >= 3 and first_at < max(pieces)  # streamed while generated, not one delta at the end
+
+
+def test_tool_choice_none_keeps_the_tools_in_the_prompt_and_a_cut_call_is_length(client, model):
+    def create(max_tokens=8, **kw):
+        return client.chat.completions.create(model=model, messages=WEATHER_Q, max_tokens=max_tokens,
+                                              temperature=0, **kw)
+    with_tools = create(tools=[WEATHER_TOOL], tool_choice="auto").usage.prompt_tokens
+    assert create(tools=[WEATHER_TOOL], tool_choice="none").usage.prompt_tokens == with_tools
+    assert create().usage.prompt_tokens < with_tools
+    early = create(tools=[WEATHER_TOOL], tool_choice="required")  # 8 tokens: before the name is whole
+    assert early.choices[0].finish_reason == "length" and not early.choices[0].message.content
+    whole = create(tools=[WEATHER_TOOL], tool_choice="required", max_tokens=80)
+    cut_at = whole.usage.completion_tokens - 3  # inside the arguments
+    cut = create(tools=[WEATHER_TOOL], tool_choice="required", max_tokens=cut_at).choices[0]
+    assert cut.finish_reason == "length" and not cut.message.content
+    assert [c.function.name for c in cut.message.tool_calls] == ["get_weather"]
+    streamed = list(create(tools=[WEATHER_TOOL], tool_choice="required", max_tokens=cut_at, stream=True))
+    assert streamed[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == ""
 
 
 def test_legacy_functions_are_answered_as_function_call(client, model):
@@ -262,7 +288,8 @@ def test_legacy_functions_are_answered_as_function_call(client, model):
             deltas += [c.delta.function_call] if c.delta.function_call else []
             reasons += [c.finish_reason] if c.finish_reason else []
     assert reasons == ["function_call"] and deltas[0].name == "get_weather"
-    assert json.loads(deltas[0].arguments) == json.loads(choice.message.function_call.arguments)
+    assert all(d.name is None for d in deltas[1:])
+    assert "".join(d.arguments for d in deltas) == choice.message.function_call.arguments
 
 
 def test_fields_that_would_change_the_answer_are_refused_not_dropped(server):

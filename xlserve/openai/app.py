@@ -95,7 +95,8 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
     if hosts is not None:
         app.add_middleware(HostGuard, allowed=hosts)
     state.prices = PriceTable(config.price_input, config.price_cached_input, config.price_output)
-    chat, completions = ChatHandler(state, config.tool_parser), CompletionHandler(state)
+    chat = ChatHandler(state, config.tool_parser, config.reasoning_parser)
+    completions = CompletionHandler(state)
 
     def error_response(status: int, message: str, **kw) -> JSONResponse:
         state.metrics.errors.labels(status=str(status)).inc()

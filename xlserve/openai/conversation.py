@@ -6,7 +6,16 @@ import json
 
 from xlserve.loader.tokenizer import Tokenizer
 from xlserve.openai.protocol import ChatMessage, Tool
-from xlserve.openai.tool_parser import HERMES_TOOL_PROMPT
+
+# For chat templates that render no tools: the Hermes convention, which --tool-parser auto
+# then reads back (templates without tool markers get the hermes parser).
+HERMES_TOOL_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, "
+    "\"arguments\": <args-json-object>}}\n</tool_call>"
+)
 
 
 def _arguments(raw: str):
