@@ -49,10 +49,13 @@ def _setup_logging(level: str = "info") -> None:
 
 def _preflight(args, model: str) -> None:
     """What can be known wrong before anything loads, reported once (see ``xlserve.preflight``)."""
+    from xlserve.loader.chat_template import read_chat_template
     from xlserve.preflight import check_model, check_port
     from xlserve.supervisor import stop_on_hangup
     check_port(args.host, args.port)
     check_model(model)
+    if args.chat_template:
+        read_chat_template(args.chat_template)
     stop_on_hangup()
 
 
@@ -80,6 +83,7 @@ def cmd_router(args) -> int:
     server = _server_config(args)
     opts = RouterOptions(prefill=tuple(args.prefill), decode=tuple(args.decode), both=tuple(args.both),
                          policy=args.policy, affinity=not args.no_affinity, model=args.model,
+                         chat_template=args.chat_template,
                          worker_api_key=server.internal_api_key)
     run_router(opts, server)
     return 0
@@ -131,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how workers are picked")
     r.add_argument("--no-affinity", action="store_true", help="ignore the x-session-affinity header")
     r.add_argument("--model", default="default", help="the workers' model, for the tokenizer and chat template")
+    r.add_argument("--chat-template", default="", metavar="FILE",
+                   help="Jinja file to use as the chat template instead of the model's own")
     add_config_args(r, ServerConfig, "server", command=ROUTER)
     r.set_defaults(func=cmd_router)
     g = sub.add_parser("generate", help="generate text for one prompt and print it",

@@ -36,6 +36,7 @@ class ModelConfig:
     device: str = _opt("auto", "Device: auto (cuda when present), cpu or cuda.", choices=DEVICES)
     max_model_len: int = _opt(0, "Longest prompt + output in tokens; 0 means the model's own context length.")
     served_model_name: str = _opt("", "Name the API reports for the model; empty means derived from --model.")
+    chat_template: str = _opt("", "Jinja file to use as the chat template instead of the model's own.")
     prepack_weights: bool = _opt(False, "CPU: also keep each matmul weight in oneDNN's prepacked layout for "
                                  "batches of more than 4 rows (~1.5x faster batched decode and short "
                                  "prefills, identical output) at the cost of holding the weights twice.")

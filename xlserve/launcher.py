@@ -116,7 +116,7 @@ def serve(engine: EngineConfig, server: ServerConfig, colocated: bool, policy: s
         supervisor = Supervisor(workers, supervision or SupervisorConfig(), give_up)
         supervisor.start()
         opts = RouterOptions(prefill=(workers[0].url,), decode=(workers[1].url,), policy=policy,
-                             model=engine.model.model, worker_api_key=key)
+                             model=engine.model.model, chat_template=engine.model.chat_template, worker_api_key=key)
         try:
             run_router(opts, server)
         except (KeyboardInterrupt, SystemExit):

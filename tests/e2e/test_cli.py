@@ -56,7 +56,8 @@ def test_a_port_in_use_or_a_bad_model_is_one_error_line_before_anything_loads(co
     (tmp_path / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"]}')
     for run, expected in ((busy, f"cannot listen on 127.0.0.1:{port}"),
                           (_xlserve(command, "--model", "/no/such/model"), "not found"),
-                          (_xlserve(command, "--model", str(tmp_path)), "NoSuchForCausalLM")):
+                          (_xlserve(command, "--model", str(tmp_path)), "NoSuchForCausalLM"),
+                          (_xlserve(command, "--chat-template", "/no/such.jinja"), "cannot read the chat template")):
         assert run.returncode == 2, run.stderr
         assert run.stderr.count("xlserve: error:") == 1 and expected in run.stderr, run.stderr
         assert "Traceback" not in run.stderr

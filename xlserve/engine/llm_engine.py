@@ -34,6 +34,8 @@ class LLMEngine:
         self.config = config
         self.loaded = loaded or load_model(config.model)
         self.tokenizer = self.loaded.tokenizer
+        if config.model.chat_template and self.tokenizer is not None:
+            self.tokenizer.use_chat_template(config.model.chat_template)
         arch = self.loaded.arch
         self.max_model_len = min(config.model.max_model_len or arch.max_position_embeddings,
                                  arch.max_position_embeddings)

@@ -34,6 +34,20 @@ def _compile(source: str):
     return env.from_string(source)
 
 
+def read_chat_template(path: str) -> str:
+    """The Jinja template in the file at ``path``, compiled once to check it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read the chat template {path}: {e.strerror}") from None
+    try:
+        _compile(source)
+    except TemplateError as e:
+        raise ValueError(f"the chat template {path} does not compile: {e}") from None
+    return source
+
+
 class ChatTemplate:
     def __init__(self, source: str | None, bos_token: str = "", eos_token: str = ""):
         self.source = source or FALLBACK_TEMPLATE

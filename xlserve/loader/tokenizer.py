@@ -13,7 +13,7 @@ from typing import Sequence
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from xlserve.loader.chat_template import ChatTemplate
+from xlserve.loader.chat_template import ChatTemplate, read_chat_template
 
 GGUF_TOKEN_CONTROL = 3
 GGUF_TOKEN_USER_DEFINED = 4
@@ -30,6 +30,11 @@ class Tokenizer:
         bos = backend.id_to_token(bos_token_id) if bos_token_id is not None else ""
         eos = backend.id_to_token(min(eos_token_ids)) if eos_token_ids else ""
         self.chat_template = ChatTemplate(chat_template, bos or "", eos or "")
+
+    def use_chat_template(self, path: str) -> None:
+        """Replace the model's chat template with the Jinja file at ``path`` (``--chat-template``)."""
+        self.chat_template = ChatTemplate(read_chat_template(path), self.chat_template.bos_token,
+                                          self.chat_template.eos_token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # encode_batch_fast releases the GIL (encode holds it: 8.7 s of a stalled event loop
@@ -140,9 +145,16 @@ def load_gguf_tokenizer(meta: dict) -> Tokenizer:
                      chat_template=meta.get("tokenizer.chat_template"))
 
 
-def load_model_tokenizer(model: str) -> Tokenizer | None:
-    """Only the tokenizer (and chat template) of ``--model``, without its weights and
-    without torch (the router needs nothing more)."""
+def load_model_tokenizer(model: str, chat_template: str = "") -> Tokenizer | None:
+    """Only the tokenizer (and chat template, or the one in the file ``chat_template``) of
+    ``--model``, without its weights and without torch (the router needs nothing more)."""
+    tokenizer = _load_model_tokenizer(model)
+    if chat_template and tokenizer is not None:
+        tokenizer.use_chat_template(chat_template)
+    return tokenizer
+
+
+def _load_model_tokenizer(model: str) -> Tokenizer | None:
     from xlserve.loader.gguf_container import read_gguf
     from xlserve.loader.model_source import resolve_model
     source = resolve_model(model)

@@ -26,10 +26,11 @@ from xlserve.openai.errors import ApiError, error_body
 from xlserve.openai.event_stream import EventStreamResponse
 from xlserve.openai.http_edge import HostGuard, allowed_hosts, check_json_content_type
 from xlserve.openai.pricing import PriceTable
-from xlserve.openai.protocol import ChatCompletionRequest, CompletionRequest
+from xlserve.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from xlserve.openai.serving_chat import ChatHandler
 from xlserve.openai.serving_common import WorkerState
 from xlserve.openai.serving_completion import CompletionHandler
+from xlserve.openai.serving_tokens import TokenHandler
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25
@@ -96,7 +97,7 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
         app.add_middleware(HostGuard, allowed=hosts)
     state.prices = PriceTable(config.price_input, config.price_cached_input, config.price_output)
     chat = ChatHandler(state, config.tool_parser, config.reasoning_parser)
-    completions = CompletionHandler(state)
+    completions, tokens = CompletionHandler(state), TokenHandler(state)
 
     def error_response(status: int, message: str, **kw) -> JSONResponse:
         state.metrics.errors.labels(status=str(status)).inc()
@@ -169,10 +170,20 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card() -> dict:
+        return {"id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "xlserve",
+                "max_model_len": state.max_model_len}
+
     @app.get("/v1/models", dependencies=api)
     async def models():
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "xlserve", "max_model_len": state.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=api)
+    async def model(model_id: str):
+        if model_id != state.model_name:
+            raise ApiError(404, f"model {model_id!r} does not exist; this server serves {state.model_name!r}",
+                           "model", "model_not_found")
+        return model_card()
 
     async def respond(request: Request, model: type[BaseModel], handler):
         if request_hook is not None:
@@ -197,6 +208,14 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
     @app.post("/v1/completions", dependencies=api)
     async def text_completions(request: Request):
         return await respond(request, CompletionRequest, completions)
+
+    @app.post("/tokenize", dependencies=api)
+    async def tokenize(request: Request):
+        return await respond(request, TokenizeRequest, tokens)
+
+    @app.post("/detokenize", dependencies=api)
+    async def detokenize(request: Request):
+        return await respond(request, DetokenizeRequest, tokens)
 
     if internal:  # imported here: it needs torch (KV transfer), which the router never loads
         from xlserve.worker.internal import add_internal_routes

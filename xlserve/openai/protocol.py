@@ -10,7 +10,7 @@ has a bound. docs/api-fields.md lists every field and what xlserve does with it.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -256,3 +256,27 @@ class CompletionRequest(SamplingFields):
         if isinstance(value[0], int):
             return [value]
         return list(value)
+
+
+class TokenizeRequest(Strict):
+    """``POST /tokenize``: a prompt, or chat messages rendered by the chat template."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+    stream: ClassVar[bool] = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(Strict):
+    """``POST /detokenize``: token ids back to text."""
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)
+    stream: ClassVar[bool] = False

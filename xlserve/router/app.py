@@ -37,6 +37,7 @@ class RouterOptions:
     policy: str = "cache_aware"
     affinity: bool = True
     model: str = "default"
+    chat_template: str = ""  # a Jinja file instead of the model's template
     worker_api_key: str = ""
     health_interval: float = 2.0
 
@@ -58,7 +59,7 @@ def build_router_app(opts: RouterOptions, config: ServerConfig):
     pool = WorkerPool(list(opts.prefill), list(opts.decode), list(opts.both), opts.worker_api_key,
                       config.worker_timeout)
     info = pool.info()
-    tokenizer = load_model_tokenizer(opts.model)
+    tokenizer = load_model_tokenizer(opts.model, opts.chat_template)
     metrics = RouterMetrics(pool, info["model"], opts.policy)
     index = PrefixIndex()
     remote = RemoteEngine(pool, make_policy(opts.policy, opts.affinity, int(info["block_size"])), index,
