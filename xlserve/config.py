@@ -164,6 +164,8 @@ class ServerConfig:
     reasoning_parser: str = _opt("auto", "Where <think>...</think> goes: auto (reasoning_content when the chat "
                                  "template mentions <think>), think (always), none (left in content).",
                                  choices=("auto", "think", "none"))
+    responses_kept: int = _opt(1024, "Responses (/v1/responses) kept in memory for previous_response_id and "
+                               "GET /v1/responses/{id}, the oldest dropped first (also at most 256 MiB in all).")
     log_level: str = _opt("info", "Log level: debug, info, warning, error.",
                           choices=("debug", "info", "warning", "error"))
     log_requests: bool = _opt(True, "Log one line per finished request (id, session, workers, status, "
@@ -193,6 +195,8 @@ class ServerConfig:
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if not 0 <= self.responses_kept <= 1_000_000:
+            raise ValueError(f"responses_kept must be in 0..1000000, got {self.responses_kept}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if not 0 < self.kv_pin_seconds <= 600:

@@ -27,9 +27,12 @@ from xlserve.openai.event_stream import EventStreamResponse
 from xlserve.openai.http_edge import HostGuard, allowed_hosts, check_json_content_type
 from xlserve.openai.pricing import PriceTable
 from xlserve.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from xlserve.openai.protocol_responses import ResponsesRequest
+from xlserve.openai.response_store import ResponseStore
 from xlserve.openai.serving_chat import ChatHandler
 from xlserve.openai.serving_common import WorkerState
 from xlserve.openai.serving_completion import CompletionHandler
+from xlserve.openai.serving_responses import ResponsesHandler
 from xlserve.openai.serving_tokens import TokenHandler
 
 log = logging.getLogger(__name__)
@@ -98,6 +101,7 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
     state.prices = PriceTable(config.price_input, config.price_cached_input, config.price_output)
     chat = ChatHandler(state, config.tool_parser, config.reasoning_parser)
     completions, tokens = CompletionHandler(state), TokenHandler(state)
+    responses = ResponsesHandler(chat, ResponseStore(config.responses_kept))
 
     def error_response(status: int, message: str, **kw) -> JSONResponse:
         state.metrics.errors.labels(status=str(status)).inc()
@@ -208,6 +212,23 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
     @app.post("/v1/completions", dependencies=api)
     async def text_completions(request: Request):
         return await respond(request, CompletionRequest, completions)
+
+    @app.post("/v1/responses", dependencies=api)
+    async def create_response(request: Request):
+        return await respond(request, ResponsesRequest, responses)
+
+    @app.get("/v1/responses/{response_id}", dependencies=api)
+    async def get_response(response_id: str):
+        kept = responses.store.get(response_id)
+        if kept is None:
+            raise ApiError(404, f"response {response_id!r} is not (or no longer) kept by this server")
+        return kept.response
+
+    @app.delete("/v1/responses/{response_id}", dependencies=api)
+    async def delete_response(response_id: str):
+        if not responses.store.delete(response_id):
+            raise ApiError(404, f"response {response_id!r} is not (or no longer) kept by this server")
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/tokenize", dependencies=api)
     async def tokenize(request: Request):
