@@ -45,7 +45,7 @@ def serve():
 
 def test_a_stream_cancelled_after_3_chunks_is_gone_from_the_decode_worker_within_1s(serve):
     decode = _workers(serve)["decode"]
-    aborted_before = _counter(serve, "xlserve_requests_total", finish_reason="abort")
+    aborted_before = _counter(serve, "xlserve_request_success_total", finished_reason="abort")
     client = openai.OpenAI(base_url=f"{serve}/v1", api_key="none", max_retries=0)
     stream = client.chat.completions.create(model=MODEL, stream=True, max_tokens=2000,
                                             messages=[{"role": "user", "content": "Count to a thousand."}],
@@ -53,21 +53,21 @@ def test_a_stream_cancelled_after_3_chunks_is_gone_from_the_decode_worker_within
     for i, _ in enumerate(stream):
         if i == 2:
             break
-    assert metric(decode, "xlserve_requests_running") == 1  # it is generating on the decode worker
+    assert metric(decode, "xlserve_num_requests_running") == 1  # it is generating on the decode worker
     stream.close()
     left = time.monotonic()
     while time.monotonic() - left < 5:
-        if metric(decode, "xlserve_requests_running") == 0 and metric(decode, "xlserve_kv_blocks_used") == 0:
+        if metric(decode, "xlserve_num_requests_running") == 0 and metric(decode, "xlserve_kv_blocks_used") == 0:
             break
         time.sleep(0.05)
     idle_after = time.monotonic() - left
     print(f"decode worker idle {idle_after * 1000:.0f} ms after the client left")
     assert idle_after < 1.0
     deadline = time.monotonic() + 5  # the router counts it once its generator has closed
-    while _counter(serve, "xlserve_requests_total", finish_reason="abort") == aborted_before:
+    while _counter(serve, "xlserve_request_success_total", finished_reason="abort") == aborted_before:
         assert time.monotonic() < deadline, "the router never counted the abort"
         time.sleep(0.1)
-    assert _counter(decode, "xlserve_requests_total", finish_reason="abort") >= 1
+    assert _counter(decode, "xlserve_request_success_total", finished_reason="abort") >= 1
 
 
 def test_sighup_stops_serve_and_its_workers_like_ctrl_c(serve):

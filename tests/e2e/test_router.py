@@ -106,7 +106,7 @@ def test_second_turn_reports_cached_prefix_through_the_router(cluster):
 def _served(url):
     text = httpx.get(f"{url}/metrics").text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("xlserve_requests_total{"))
+               if line.startswith("xlserve_request_success_total{"))
 
 
 def test_session_affinity_keeps_a_session_on_one_worker(cluster):
@@ -162,6 +162,64 @@ def test_router_metrics_and_errors(cluster):
         assert name in text, name
     r = httpx.post(f"{cluster['router']}/v1/chat/completions", json={"messages": [], "max_tokens": 4})
     assert r.status_code == 400 and r.json()["error"]["message"]
+
+
+def _families(text: str) -> dict[str, str]:
+    """Metric family name -> type, from Prometheus text (a counter's name without ``_total``)."""
+    types = dict(line.split()[2:4] for line in text.splitlines() if line.startswith("# TYPE "))
+    return {name.removesuffix("_total") if kind == "counter" else name: kind for name, kind in types.items()}
+
+
+def test_metrics_follow_prometheus_conventions_and_carry_every_workers_engine(cluster):
+    import time
+    router = cluster["router"]
+    _client(router).chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4)
+    time.sleep(2.5)  # one health round: the router has read the workers' engine counters
+    for url in (router, cluster["p"], cluster["d"]):
+        text = httpx.get(f"{url}/metrics").text
+        assert "_created" not in text
+        samples = [line.split("{")[0].split()[0] for line in text.splitlines() if not line.startswith("#")]
+        for name, kind in _families(text).items():
+            mine = [s for s in samples if s == name or s.startswith(name + "_")]
+            if kind == "counter":
+                assert all(s == name + "_total" for s in mine), (name, mine)
+            else:
+                assert not name.endswith("_total"), name  # a gauge named like a counter misleads
+    text = httpx.get(f"{router}/metrics").text
+    for worker in (cluster["p"], cluster["d"]):
+        for name in ("xlserve_num_requests_running", "xlserve_kv_cache_usage_perc", "xlserve_prefix_cache_hits_total"):
+            assert f'{name}{{worker="{worker}"}}' in text, (name, worker)
+    assert metric(cluster["p"], "xlserve_prefix_cache_queries_total") > 0
+
+
+def test_the_grafana_dashboard_loads_and_queries_only_metrics_that_exist(cluster):
+    """The committed JSON is what Grafana's typed SDK builds (deploy/grafana/dashboard.py) and
+    loads back unchanged; every metric a panel queries is on the router's /metrics."""
+    import importlib.util
+    import json
+    import pathlib
+    import re
+
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.models.dashboard import Dashboard
+    root = pathlib.Path(__file__).parents[2] / "deploy" / "grafana"
+    data = json.loads((root / "xlserve-dashboard.json").read_text())
+    assert json.loads(json.dumps(Dashboard.from_json(data), cls=JSONEncoder)) == data
+    spec = importlib.util.spec_from_file_location("dashboard", root / "dashboard.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.build() == data  # regenerated: nobody edited the JSON by hand
+    exprs = [t["expr"] for p in data["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 20
+    for topic in ("time_to_first_token", "inter_token", "generation_tokens", "prefix_cache_hits", "inflight_tokens",
+                  "kv_cache_usage", "kv_transfer", 'finished_reason="abort"'):
+        assert any(topic in e for e in exprs), topic
+    _client(cluster["router"]).chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2)
+    families = _families(httpx.get(f"{cluster['router']}/metrics").text)
+    exposed = {f + suffix for f, kind in families.items()
+               for suffix in (("_total",) if kind == "counter" else ("_bucket", "_sum", "_count", ""))}
+    used = {m for e in exprs for m in re.findall(r"xlserve_[a-z0-9_]+", e)}
+    assert used and used <= exposed, sorted(used - exposed)
 
 
 def test_serve_starts_router_prefill_and_decode_and_ctrl_c_stops_all():

@@ -114,12 +114,12 @@ def test_client_disconnect_frees_blocks(server):
         for _ in range(7):
             next(lines)
         assert metric(server, "xlserve_kv_blocks_used") > 0
-        assert metric(server, "xlserve_requests_running") == 1
+        assert metric(server, "xlserve_num_requests_running") == 1
     deadline = time.monotonic() + 20
     while metric(server, "xlserve_kv_blocks_used") > 0 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert metric(server, "xlserve_kv_blocks_used") == 0
-    assert metric(server, "xlserve_requests_running") == 0
+    assert metric(server, "xlserve_num_requests_running") == 0
 
 
 def test_non_streamed_client_disconnect_aborts(server):
@@ -131,7 +131,7 @@ def test_non_streamed_client_disconnect_aborts(server):
     while metric(server, "xlserve_kv_blocks_used") > 0 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert metric(server, "xlserve_kv_blocks_used") == 0
-    assert metric(server, "xlserve_requests_running") == 0
+    assert metric(server, "xlserve_num_requests_running") == 0
 
 
 BAD = [
@@ -186,7 +186,7 @@ def test_metrics_exposes_latency_and_tokens(server):
     for name in ("xlserve_time_to_first_token_seconds_bucket", "xlserve_inter_token_latency_seconds_bucket",
                  "xlserve_e2e_request_latency_seconds_bucket", "xlserve_prompt_tokens_total",
                  "xlserve_cached_prompt_tokens_total", "xlserve_generation_tokens_total",
-                 "xlserve_requests_running", "xlserve_requests_waiting", "xlserve_kv_blocks_used",
+                 "xlserve_num_requests_running", "xlserve_num_requests_waiting", "xlserve_kv_blocks_used",
                  "xlserve_prefix_cache_hit_ratio"):
         assert name in text, name
     assert metric(server, "xlserve_generation_tokens_total") > 0

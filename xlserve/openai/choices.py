@@ -117,7 +117,7 @@ async def _merge(run: RequestRun, streams: list, metrics: WorkerMetrics, engine:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if status == "aborted":
-            metrics.requests.labels(finish_reason="abort").inc(sum(c.final is None for c in run.choices))
+            metrics.finished("abort", sum(c.final is None for c in run.choices))
         _log_request(run, status, engine.placement())
 
 

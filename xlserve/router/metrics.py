@@ -1,11 +1,12 @@
-"""Router metrics: the worker's request histograms plus routing and transfer facts."""
+"""Router metrics: the worker's request histograms, routing and transfer facts, and every
+worker's engine state (as of the last health check) labelled ``worker``."""
 
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
 from xlserve.router.pool import WorkerPool
-from xlserve.worker.metrics import WorkerMetrics
+from xlserve.worker.metrics import EngineCollector, WorkerMetrics
 
 PREDICTION_ERROR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 16, 64, 256, 1024, 4096)
 
@@ -33,6 +34,7 @@ class RouterMetrics(WorkerMetrics):
             inflight.labels(worker=w.url, kind="prefill").set_function(lambda w=w: w.prefill_tokens)
             inflight.labels(worker=w.url, kind="decode").set_function(lambda w=w: w.decode_tokens)
         self.policy = policy
+        r.register(EngineCollector(lambda: {w.url: w.engine_stats for w in pool.workers}, label="worker"))
 
     def observe_route(self, stage: str, worker: str) -> None:
         self.decisions.labels(policy=self.policy, stage=stage, worker=worker).inc()

@@ -25,6 +25,7 @@ class Worker:
     kv_epoch: str = ""
     kv_server: tuple[str, int] | None = None  # its KV transfer server (prefill roles), read from /internal/info
     peers_sent: frozenset | None = None  # KV servers last registered with it (decode roles)
+    engine_stats: dict = field(default_factory=dict)  # its engine's counters as of the last health check
 
     def forget_process(self) -> None:
         """It may come back as a new process: with another KV port, without registrations."""
@@ -108,9 +109,21 @@ class WorkerPool:
         index.apply_events(worker.url, feed)
         worker.kv_seq, worker.kv_epoch = int(feed["seq"]), str(feed["epoch"])
 
+    async def poll_stats(self, worker: Worker) -> None:
+        """The worker's engine counters, for the router's /metrics (empty while it is down)."""
+        if not worker.healthy:
+            worker.engine_stats = {}
+            return
+        try:
+            stats = (await self.http.get(f"{worker.url}/internal/stats", timeout=5)).json()
+            worker.engine_stats = {k: float(v) for k, v in stats.items() if isinstance(v, (int, float))}
+        except (httpx.HTTPError, ValueError, AttributeError) as e:
+            log.debug("engine stats of %s: %s", worker.url, e)
+
     async def health_loop(self, interval: float, index=None) -> None:
         while True:
             await asyncio.gather(*(self.check(w) for w in self.workers))
+            await asyncio.gather(*(self.poll_stats(w) for w in self.workers))
             await self.sync_kv_peers()
             if index is not None:
                 await asyncio.gather(*(self.poll_events(w, index) for w in self.workers))

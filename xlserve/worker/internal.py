@@ -15,6 +15,8 @@
 - ``GET /internal/kv/events?since=N&epoch=E``: block hashes stored/removed since N, or a
   snapshot when the reader cannot be caught up.
 - ``GET /internal/info``: role, model, block size and KV transfer address.
+- ``GET /internal/stats``: the engine's counters (running, waiting, KV blocks, prefix
+  cache), which the router re-exports in its /metrics with a ``worker`` label.
 """
 
 from __future__ import annotations
@@ -114,6 +116,10 @@ def add_internal_routes(app: FastAPI, state: WorkerState, config: ServerConfig, 
         return {"role": config.role, "model": state.model_name, "block_size": state.engine.block_size,
                 "max_model_len": state.max_model_len, "kv": disagg.address,
                 "kv_extra_key": state.engine.extra_key.hex(), "model_path": state.engine.loaded.source.path}
+
+    @app.get("/internal/stats", dependencies=api)
+    async def stats():
+        return state.async_engine.stats
 
     @app.get("/internal/kv/events", dependencies=api)
     async def kv_events(since: int = 0, epoch: str = ""):

@@ -1,33 +1,76 @@
-"""Prometheus metrics of one worker: latency histograms, token counters, engine gauges."""
+"""Prometheus metrics of one worker: latency histograms, token and request counters, and
+the engine's own state (running, waiting, KV usage, prefix-cache hits).
+
+Conventions: counters end in ``_total`` (no ``_created`` series); names follow vLLM's
+where one exists (``num_requests_running``, ``kv_cache_usage_perc``,
+``prefix_cache_queries_total``, ``request_success_total{finished_reason}``...), under the
+``xlserve_`` prefix. ``EngineCollector`` also serves the router, which re-exports every
+worker's engine state with a ``worker`` label.
+"""
 
 from __future__ import annotations
 
 from typing import Callable
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+prometheus_client.disable_created_metrics()  # one series per counter, not two
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60, 120)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.2, 0.5, 1, 2)
+GAUGE, COUNTER = "gauge", "counter"
 
-ENGINE_GAUGES = {
-    "num_running": ("xlserve_requests_running", "Requests in the running batch"),
-    "num_waiting": ("xlserve_requests_waiting", "Requests waiting to be scheduled"),
-    "kv_blocks_used": ("xlserve_kv_blocks_used", "KV-cache blocks in use"),
-    "kv_blocks_total": ("xlserve_kv_blocks_total", "KV-cache blocks in the device pool"),
-    "prefix_cache_hit_ratio": ("xlserve_prefix_cache_hit_ratio", "Prefix-cache hit tokens / queried tokens"),
-    "prefix_cache_queried_tokens": ("xlserve_prefix_cache_queried_tokens", "Prompt tokens looked up"),
-    "prefix_cache_hit_tokens": ("xlserve_prefix_cache_hit_tokens", "Prompt tokens found in the cache"),
-    "num_preemptions": ("xlserve_preemptions", "Requests preempted for lack of KV blocks"),
-    "kv_pins": ("xlserve_kv_pins", "Exported KV pins held for decode workers to pull"),
-    "num_failed_requests": ("xlserve_requests_failed_in_engine", "Requests ended by an error inside a step "
-                            "(the engine served on)"),
-}
+# (engine stats key, metric name, help, kind); "kv_usage" is derived from the block counts.
+ENGINE_METRICS = (
+    ("num_running", "xlserve_num_requests_running", "Requests in the running batch", GAUGE),
+    ("num_waiting", "xlserve_num_requests_waiting", "Requests waiting to be scheduled", GAUGE),
+    ("kv_usage", "xlserve_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full)", GAUGE),
+    ("kv_blocks_used", "xlserve_kv_blocks_used", "KV-cache blocks in use", GAUGE),
+    ("kv_blocks_total", "xlserve_kv_blocks_capacity", "KV-cache blocks in the device pool", GAUGE),
+    ("prefix_cache_hit_ratio", "xlserve_prefix_cache_hit_ratio", "Prefix-cache hit tokens / queried tokens",
+     GAUGE),
+    ("kv_pins", "xlserve_kv_pins", "Exported KV pins held for decode workers to pull", GAUGE),
+    ("prefix_cache_queried_tokens", "xlserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+     COUNTER),
+    ("prefix_cache_hit_tokens", "xlserve_prefix_cache_hits", "Prompt tokens found in the prefix cache", COUNTER),
+    ("num_preemptions", "xlserve_num_preemptions", "Requests preempted for lack of KV blocks", COUNTER),
+    ("num_failed_requests", "xlserve_requests_failed_in_engine", "Requests ended by an error inside a step "
+     "(the engine served on)", COUNTER),
+)
+
+
+def _value(stats: dict, key: str) -> float:
+    if key == "kv_usage":
+        total = stats.get("kv_blocks_total", 0)
+        return stats.get("kv_blocks_used", 0) / total if total else 0.0
+    return float(stats.get(key, 0))
+
+
+class EngineCollector(Collector):
+    """Engine state at scrape time. ``sources()``: {label value: engine stats}; with
+    ``label`` None there is one source and no label (a worker's own engine)."""
+
+    def __init__(self, sources: Callable[[], dict[str, dict]], label: str | None = None):
+        self.sources, self.label = sources, label
+
+    def collect(self):
+        sources = self.sources()
+        for key, name, doc, kind in ENGINE_METRICS:
+            family_type = CounterMetricFamily if kind == COUNTER else GaugeMetricFamily
+            family = family_type(name, doc, labels=[self.label] if self.label else [])
+            for who, stats in sources.items():
+                if stats:
+                    family.add_metric([who] if self.label else [], _value(stats, key))
+            yield family
 
 
 class WorkerMetrics:
     def __init__(self, engine_stats: Callable[[], dict] | None, model_name: str):
-        """``engine_stats``: the engine's counters for the gauges; None where there is no
-        local engine (the router)."""
+        """``engine_stats``: the engine's counters; None where there is no local engine
+        (the router, which adds its workers' instead)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("xlserve_time_to_first_token_seconds", "Time to first token",
@@ -40,12 +83,16 @@ class WorkerMetrics:
         self.cached_tokens = Counter("xlserve_cached_prompt_tokens", "Prompt tokens served from cache",
                                      registry=r)
         self.generation_tokens = Counter("xlserve_generation_tokens", "Tokens generated", registry=r)
-        self.requests = Counter("xlserve_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.requests = Counter("xlserve_request_success", "Finished requests by why they ended (abort: the "
+                                "client left or cancelled)", ["finished_reason"], registry=r)
         self.errors = Counter("xlserve_request_errors", "Requests refused", ["status"], registry=r)
         info = Gauge("xlserve_model_info", "Served model", ["model"], registry=r)
         info.labels(model=model_name).set(1)
-        for key, (name, doc) in ENGINE_GAUGES.items() if engine_stats is not None else ():
-            Gauge(name, doc, registry=r).set_function(lambda k=key: float(engine_stats().get(k, 0)))
+        if engine_stats is not None:
+            r.register(EngineCollector(lambda: {"": engine_stats()}))
+
+    def finished(self, reason: str, count: int = 1) -> None:
+        self.requests.labels(finished_reason=reason).inc(count)
 
     def observe_finished(self, prompt_tokens: int, cached: int, generated: int, ttft: float | None,
                          e2e: float, finish_reason: str | None) -> None:
@@ -55,7 +102,7 @@ class WorkerMetrics:
         if ttft is not None:
             self.ttft.observe(ttft)
         self.e2e.observe(e2e)
-        self.requests.labels(finish_reason=finish_reason or "unknown").inc()
+        self.finished(finish_reason or "unknown")
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
