@@ -81,6 +81,8 @@ class SchedulerConfig:
     max_num_seqs: int = _opt(64, "Most requests that run in one engine step.")
     max_num_batched_tokens: int = _opt(1024, "Token budget of one engine step (prefill chunks + decodes).")
     max_waiting: int = _opt(256, "Most requests queued before new ones are refused as busy.")
+    queue_timeout: float = _opt(0.0, "Seconds a request may wait in the queue before it is refused as busy "
+                                "(429 with Retry-After); 0: it waits as long as it takes.")
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -89,6 +91,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        if not 0 <= self.queue_timeout <= 86400:
+            raise ValueError(f"queue_timeout must be in [0, 86400] seconds, got {self.queue_timeout}")
 
 
 @dataclass(frozen=True)

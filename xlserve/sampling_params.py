@@ -22,6 +22,7 @@ MIN_TEMPERATURE = 1e-5
 MIN_TOP_P = 1e-6
 MIN_REPETITION_PENALTY = 0.01
 SEED_RANGE = (-(2**63), 2**64)
+MAX_PRIORITY = 1_000_000
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 # Messages between processes refuse unknown fields and loose types (never drop a field).
 WIRE_CONFIG = ConfigDict(extra="forbid", strict=True)
@@ -64,6 +65,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     guided: GuidedSpec | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits
+    priority: int = 0  # scheduling, not sampling: a lower value leaves the waiting queue first
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -106,6 +108,9 @@ class SamplingParams:
                 "a string or a list of non-empty strings")
         if any(t < 0 for t in self.stop_token_ids):
             bad(f"stop_token_ids must be non-negative, got {self.stop_token_ids}", "token ids >= 0")
+        if not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
+            bad(f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {self.priority}",
+                f"-{MAX_PRIORITY} .. {MAX_PRIORITY}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS or len({t for t, _ in self.logit_bias}) != len(self.logit_bias) \
                 or any(t < 0 or not (math.isfinite(b) and -100 <= b <= 100) for t, b in self.logit_bias):
             bad(f"logit_bias must map at most {MAX_LOGIT_BIAS} distinct token ids >= 0 to biases in "

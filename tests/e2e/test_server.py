@@ -1,6 +1,7 @@
 """The OpenAI-compatible server as a real subprocess, driven by the official openai client."""
 
 import json
+import re
 import threading
 import time
 
@@ -192,8 +193,8 @@ def test_metrics_exposes_latency_and_tokens(server):
     assert metric(server, "xlserve_generation_tokens_total") > 0
 
 
-def test_full_queue_answers_429_with_retry_after():
-    with running_server("--max-num-seqs", "1", "--max-waiting", "1") as url:
+def test_full_queue_and_queue_timeout_answer_429_with_retry_after():
+    with running_server("--max-num-seqs", "1", "--max-waiting", "1", "--queue-timeout", "1") as url:
         body = {"messages": HELLO, "max_tokens": 300, "ignore_eos": True, "stream": True}
         streams, contexts = [], []
         try:
@@ -204,6 +205,10 @@ def test_full_queue_answers_429_with_retry_after():
             r = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": False}, timeout=60)
             assert r.status_code == 429 and r.headers["retry-after"]
             assert "busy" in r.json()["error"]["message"]
+            waited = b"".join(streams[1].iter_bytes()).decode()  # queued behind the first: refused after 1 s
+            assert '"code": 429' in waited and "queue-timeout" in waited
+            r = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": False, "priority": -5}, timeout=60)
+            assert r.status_code == 429 and r.headers["retry-after"] and "queue-timeout" in r.text
         finally:
             for ctx in contexts:
                 ctx.__exit__(None, None, None)
@@ -290,6 +295,31 @@ def test_legacy_functions_are_answered_as_function_call(client, model):
     assert reasons == ["function_call"] and deltas[0].name == "get_weather"
     assert all(d.name is None for d in deltas[1:])
     assert "".join(d.arguments for d in deltas) == choice.message.function_call.arguments
+
+
+def test_constraints_in_the_api(client, model):
+    def answer(max_tokens=40, **kw):
+        return client.chat.completions.create(model=model, messages=HELLO, max_tokens=max_tokens, temperature=0,
+                                              **kw)
+    schema = {"type": "object", "properties": {"greeting": {"type": "string"}, "count": {"type": "integer"}},
+              "required": ["greeting", "count"], "additionalProperties": False}
+    text = answer(response_format={"type": "json_schema", "json_schema": {"name": "g", "schema": schema}},
+                  max_tokens=200).choices[0].message.content
+    assert text == json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False)  # compact: no padding
+    phone = answer(extra_body={"structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}}).choices[0].message.content
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", phone)
+    assert answer(extra_body={"guided_choice": ["yes", "no"]}).choices[0].message.content in ("yes", "no")
+    color = answer(extra_body={"structured_outputs": {"grammar": 'start: "red" | "green" " apple"'}})
+    assert color.choices[0].message.content in ("red", "green apple")
+    assert answer(extra_body={"priority": 3}).choices[0].message.content
+    done = client.completions.create(model=model, prompt="The year is", max_tokens=8, temperature=0,
+                                     extra_body={"guided_regex": " [12][0-9]{3}"})
+    assert re.fullmatch(r" [12][0-9]{3}", done.choices[0].text)
+    for extra in ({"guided_choice": ["a"], "guided_regex": "b"}, {"guided_regex": "a", "structured_outputs": {}},
+                  {"guided_regex": "a", "response_format": {"type": "json_object"}}, {"priority": 10**9},
+                  {"structured_outputs": {"grammar": "start: ("}}):
+        with pytest.raises(openai.BadRequestError):
+            answer(extra_body=extra)
 
 
 def test_fields_that_would_change_the_answer_are_refused_not_dropped(server):

@@ -41,7 +41,8 @@ class GuidedDecoding:
                 schema = json.loads(spec.spec)
             except json.JSONDecodeError as e:
                 raise ValueError(f"the JSON schema is not valid JSON: {e}") from e
-            return LLMatcher.grammar_from_json_schema(schema)
+            # Compact JSON (", " and ": "): flexible whitespace lets a model pad until max_tokens.
+            return LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
         if spec.kind == "lark":
             return LLMatcher.grammar_from_lark(spec.spec)
         return LLMatcher.grammar_from_regex(spec.spec)

@@ -128,9 +128,10 @@ class LLMEngine:
         """One engine step. A failure that one request brings on ends that request (its
         output carries ``error``); only ``FATAL_ERRORS`` and broken engine state raise."""
         self.kv.expire_pins()
+        outputs = self._refuse_overdue()
         sched_out = self.scheduler.schedule()
         runner_out = self._execute(sched_out)
-        outputs = [out for rid, why in runner_out.errors.items() if (out := self._fail(rid, why))]
+        outputs += [out for rid, why in runner_out.errors.items() if (out := self._fail(rid, why))]
         advanced = self.scheduler.update(sched_out, runner_out.sampled, runner_out.logprobs)
         self.num_steps += 1
         for req in advanced:
@@ -167,6 +168,20 @@ class LLMEngine:
                 log.warning("request %s failed in a step: %s", s.request_id, describe(e))
                 merged.errors[s.request_id] = describe(e)
         return merged
+
+    def _refuse_overdue(self) -> list[RequestOutput]:
+        """Requests past ``--queue-timeout`` in the queue end as busy (never run, nothing lost)."""
+        timeout = self.config.scheduler.queue_timeout
+        if not timeout:
+            return []
+        refused = []
+        for request_id in self.scheduler.overdue(timeout, time.monotonic()):
+            req = self.scheduler.finish(request_id, FinishReason.ABORT)
+            req.error = f"the request waited more than {timeout:g} s in the queue (--queue-timeout); retry later"
+            out = self._output(req, "", [])
+            out.retry_after = 1.0
+            refused.append(out)
+        return refused
 
     def _fail(self, request_id: str, why: str) -> RequestOutput | None:
         req = self.scheduler.finish(request_id, FinishReason.ERROR)

@@ -25,6 +25,7 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)  # arrival, first token, finish times (monotonic)
     error: str | None = None  # the request failed in the engine (finish_reason "error"); others went on
+    retry_after: float | None = None  # with error: refused for lack of capacity (busy), try again later
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -51,8 +51,20 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
+        """Queued behind every waiting request of the same or a lower ``priority`` value
+        (first come, first served within a priority); preempted requests stay in front."""
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        priority = request.params.priority
+        at = len(self.waiting)
+        while at > 0 and self.waiting[at - 1].status == RequestStatus.WAITING \
+                and self.waiting[at - 1].params.priority > priority:
+            at -= 1
+        self.waiting.insert(at, request)
+
+    def overdue(self, timeout: float, now: float) -> list[str]:
+        """Requests that have waited longer than ``timeout`` seconds without ever running."""
+        return [r.request_id for r in self.waiting
+                if r.status == RequestStatus.WAITING and r.num_preemptions == 0 and now - r.arrival_time > timeout]
 
     @property
     def num_unfinished(self) -> int:

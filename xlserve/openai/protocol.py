@@ -15,8 +15,10 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from xlserve.sampling_params import (
+    MAX_GRAMMAR_CHARS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
+    MAX_PRIORITY,
     MAX_STOP_STRINGS,
     MIN_REPETITION_PENALTY,
     SEED_RANGE,
@@ -28,6 +30,7 @@ MAX_N = 16
 MAX_MESSAGES = 2048
 MAX_PROMPTS = 64
 MAX_TOOLS = 128
+MAX_CHOICES = 256
 
 
 class Strict(BaseModel):
@@ -110,6 +113,30 @@ class ResponseFormat(Strict):
         return None
 
 
+class StructuredOutputs(Strict):
+    """A constraint beyond response_format (vLLM's ``structured_outputs``; its older
+    ``guided_json`` / ``guided_regex`` / ``guided_grammar`` / ``guided_choice`` fields map
+    here): a JSON schema, a regular expression, a Lark grammar, or one of a list of strings."""
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = Field(default=None, max_length=MAX_GRAMMAR_CHARS)
+    grammar: str | None = Field(default=None, max_length=MAX_GRAMMAR_CHARS)
+    choice: list[str] | None = Field(default=None, min_length=1, max_length=MAX_CHOICES)
+
+    def spec(self) -> GuidedSpec | None:
+        given = [name for name in ("json_", "regex", "grammar", "choice") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"one constraint at a time; got {', '.join(n.rstrip('_') for n in given)}")
+        if self.json_ is not None:
+            return GuidedSpec("json_schema", self.json_ if isinstance(self.json_, str) else json.dumps(self.json_))
+        if self.regex is not None:
+            return GuidedSpec("regex", self.regex)
+        if self.grammar is not None:
+            return GuidedSpec("lark", self.grammar)
+        if self.choice is not None:
+            return GuidedSpec("lark", "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice))
+        return None
+
+
 class StreamOptions(Strict):
     include_usage: bool = False
 
@@ -137,6 +164,12 @@ class SamplingFields(Strict):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # lower leaves the queue first
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(default=None, max_length=MAX_GRAMMAR_CHARS)
+    guided_grammar: str | None = Field(default=None, max_length=MAX_GRAMMAR_CHARS)
+    guided_choice: list[str] | None = Field(default=None, min_length=1, max_length=MAX_CHOICES)
 
     @model_validator(mode="before")
     @classmethod
@@ -166,6 +199,16 @@ class SamplingFields(Strict):
             raise ValueError(f"stop allows at most {MAX_STOP_STRINGS} strings of at most 256 characters")
         return value
 
+    def constraint(self) -> GuidedSpec | None:
+        """The constraint sent as ``structured_outputs`` or as a ``guided_*`` field."""
+        legacy = {"json": self.guided_json, "regex": self.guided_regex, "grammar": self.guided_grammar,
+                  "choice": self.guided_choice}
+        legacy = {k: v for k, v in legacy.items() if v is not None}
+        if legacy and self.structured_outputs is not None:
+            raise ValueError("send structured_outputs or guided_* fields, not both")
+        chosen = self.structured_outputs or (StructuredOutputs.model_validate(legacy) if legacy else None)
+        return chosen.spec() if chosen is not None else None
+
     def sampling_params(self, max_tokens: int, logprobs: int | None, seed_offset: int = 0,
                         guided: GuidedSpec | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -180,7 +223,7 @@ class SamplingFields(Strict):
             repetition_penalty=self.repetition_penalty or 1.0,
             stop=tuple(s for s in stop if s), stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, logprobs=logprobs, guided=guided,
-            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()})
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()}, priority=self.priority)
 
     @property
     def include_usage(self) -> bool:

@@ -11,7 +11,16 @@ from xlserve.openai.conversation import chat_prompt_ids
 from xlserve.openai.errors import ApiError
 from xlserve.openai.protocol import ChatCompletionRequest
 from xlserve.openai.reasoning import ReasoningStream, reasoning_enabled, starts_inside
-from xlserve.openai.serving_common import WorkerState, chat_logprobs, chunk_sse, new_id, now, resolve_max_tokens, sse
+from xlserve.openai.serving_common import (
+    WorkerState,
+    as_api_error,
+    chat_logprobs,
+    chunk_sse,
+    new_id,
+    now,
+    resolve_max_tokens,
+    sse,
+)
 from xlserve.openai.tool_parsers import AUTO, ToolCallStream, detect_tool_parser, get_tool_parser
 
 
@@ -73,13 +82,19 @@ class ChatHandler:
                         think_open)
 
     def _guided(self, req: ChatCompletionRequest, parse_tools: bool):
+        """The one constraint of a request: a forced tool call, response_format, or
+        structured_outputs / guided_*."""
         required, name = req.forced_tool()
-        if parse_tools and required:
+        if required and not parse_tools:
+            raise ValueError("tool_choice requires a tool call but no tools were given")
+        candidates = {"a forced tool call": required, "response_format": req.response_format is not None
+                      and req.response_format.type != "text", "structured_outputs": req.constraint() is not None}
+        if sum(candidates.values()) > 1:
+            raise ValueError(f"one constraint at a time; got {' and '.join(k for k, v in candidates.items() if v)}")
+        if required:
             tools = [t.model_dump(exclude_none=True) for t in req.tools]
             return get_tool_parser(self.tool_parser).forced_call_grammar(tools, name, bool(req.parallel_tool_calls))
-        if required:
-            raise ValueError("tool_choice requires a tool call but no tools were given")
-        return req.response_format.guided() if req.response_format else None
+        return req.response_format.guided() if req.response_format else req.constraint()
 
     async def complete(self, req: ChatCompletionRequest, plan: ChatPlan) -> dict:
         run = plan.run
@@ -145,12 +160,8 @@ class ChatHandler:
                                   "finish_reason": reason}], run.usage() if last else None)
             if req.include_usage:
                 yield chunk([], run.usage())
-        except ApiError as e:
-            yield sse(e.body())
-        except ValueError as e:
-            yield sse(ApiError(400, str(e)).body())
         except Exception as e:  # noqa: BLE001 - the stream must end with an error event, not hang
-            yield sse(ApiError(500, f"generation failed: {e}").body())
+            yield sse(as_api_error(e).body())
         finally:
             await events.aclose()
         yield sse("[DONE]")

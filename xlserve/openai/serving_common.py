@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 from xlserve.loader.tokenizer import Tokenizer
-from xlserve.openai.engine_client import EngineClient
+from xlserve.openai.engine_client import EngineBusy, EngineClient, RequestFailed
 from xlserve.openai.errors import ApiError
 from xlserve.openai.pricing import PriceTable
 from xlserve.worker.metrics import WorkerMetrics
@@ -63,6 +63,19 @@ class WorkerState:
         if model not in (None, "", self.model_name, "default"):
             raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
                            "model", "model_not_found")
+
+
+def as_api_error(e: Exception) -> ApiError:
+    """An exception met mid-stream as the OpenAI error the stream ends with."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, ValueError):
+        return ApiError(400, str(e))
+    if isinstance(e, EngineBusy):
+        return ApiError(429, f"server busy: {e}")
+    if isinstance(e, RequestFailed):
+        return ApiError(500, str(e), code="request_failed")
+    return ApiError(500, f"generation failed: {e}")
 
 
 def new_id(prefix: str) -> str:

@@ -9,6 +9,7 @@ from xlserve.openai.errors import ApiError
 from xlserve.openai.protocol import CompletionRequest
 from xlserve.openai.serving_common import (
     WorkerState,
+    as_api_error,
     chunk_sse,
     completion_logprobs,
     new_id,
@@ -29,7 +30,7 @@ class CompletionHandler:
             try:
                 ids = self.state.engine.tokenize(prompt)
                 max_tokens = resolve_max_tokens(self.state, len(ids), req.max_tokens)
-                params = [req.sampling_params(max_tokens, req.logprobs, i) for i in range(req.n)]
+                params = [req.sampling_params(max_tokens, req.logprobs, i, req.constraint()) for i in range(req.n)]
             except ValueError as e:
                 raise ApiError(400, str(e), "prompt") from e
             choices += [ChoiceRun(p_index * req.n + i, ids, p, primary=(i == 0)) for i, p in enumerate(params)]
@@ -86,10 +87,8 @@ class CompletionHandler:
                             run.usage() if last else None)
             if req.include_usage:
                 yield chunk([], run.usage())
-        except ApiError as e:
-            yield sse(e.body())
         except Exception as e:  # noqa: BLE001 - the stream must end with an error event, not hang
-            yield sse(ApiError(500, f"generation failed: {e}").body())
+            yield sse(as_api_error(e).body())
         finally:
             await events.aclose()
         yield sse("[DONE]")

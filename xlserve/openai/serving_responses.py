@@ -17,7 +17,7 @@ from xlserve.openai.protocol_responses import ResponsesRequest
 from xlserve.openai.response_items import ResponseItems, _id
 from xlserve.openai.response_store import ResponseStore
 from xlserve.openai.serving_chat import ChatHandler, ChatPlan, ChoiceOutput
-from xlserve.openai.serving_common import now
+from xlserve.openai.serving_common import as_api_error, now
 
 
 @dataclass
@@ -113,8 +113,7 @@ class ResponsesHandler:
             response = self._finish(req, plan, items, finish)
             yield items.event(f"response.{response['status']}", response=response)
         except Exception as e:  # noqa: BLE001 - the stream must end with an error event, not hang
-            error = e.body()["error"] if isinstance(e, ApiError) else {"message": f"generation failed: {e}",
-                                                                       "code": "server_error"}
+            error = as_api_error(e).body()["error"]
             yield items.event("error", code=error.get("code"), message=error["message"], param=error.get("param"))
             yield items.event("response.failed", response={**self._response(req, plan, "failed", items),
                                                            "error": {"code": error.get("code") or "server_error",

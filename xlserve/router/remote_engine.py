@@ -50,6 +50,8 @@ def worker_error(error: dict, status: int) -> Exception:
     message, code = str(error.get("message", "")), error.get("code")
     if status == 400 or code == 400:
         return ValueError(message)
+    if status == 429 or code == 429:  # busy, not broken: the worker stays up
+        return EngineBusy(message)
     if code == "request_failed":
         return RequestFailed(message)
     return WorkerFailed(f"status {status}: {message}")

@@ -190,7 +190,7 @@ class AsyncEngine(EngineClient):
         if target is not None:
             loop, stream = target
             if isinstance(item, RequestOutput) and item.error is not None:
-                item = RequestFailed(item.error)
+                item = EngineBusy(item.error) if item.retry_after is not None else RequestFailed(item.error)
             try:
                 loop.call_soon_threadsafe(stream.put_nowait, item)
             except RuntimeError:  # that loop is closed: nobody is left to read

@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from xlserve.config import ServerConfig, parse_peers
 from xlserve.engine.request import HandOff
 from xlserve.openai.choices import ChoiceRun, RequestRun, start_choices
-from xlserve.openai.engine_client import RequestFailed
+from xlserve.openai.engine_client import EngineBusy, RequestFailed
 from xlserve.openai.errors import ApiError, error_body
 from xlserve.openai.event_stream import EventStreamResponse
 from xlserve.openai.serving_common import WorkerState, new_id, sse
@@ -172,9 +172,12 @@ def _request_plan(req: GenerateRequest) -> tuple[SamplingParams, HandOff]:
 
 def stream_error(e: Exception) -> dict:
     """The error event of an internal stream; its code tells the router whose fault it is:
-    ``request_failed`` (this request only), 400 (the request's input), else the worker's."""
+    ``request_failed`` (this request only), 400 (the request's input), 429 (busy: retry
+    later), else the worker's."""
     if isinstance(e, RequestFailed):
         return error_body(500, str(e), code="request_failed")
+    if isinstance(e, EngineBusy):
+        return error_body(429, str(e))
     if isinstance(e, ValueError):
         return error_body(400, str(e))
     return error_body(503, f"{type(e).__name__}: {e}", code="worker_failed")

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 from xlserve.sampling_params import GuidedSpec
 
+COMPACT_JSON = {"whitespace_flexible": False}  # no whitespace for a model to pad with until max_tokens
+
 
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
@@ -102,8 +104,8 @@ class ToolParser(ABC):
         chosen = [t for t in tools if name is None or t["function"]["name"] == name]
         if not chosen:
             raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
-        calls = [self.call_rule(t["function"]["name"], json.dumps(t["function"].get("parameters")
-                                                                  or {"type": "object"})) for t in chosen]
+        calls = [self.call_rule(t["function"]["name"], json.dumps({**(t["function"].get("parameters") or {
+            "type": "object"}), "x-guidance": COMPACT_JSON})) for t in chosen]
         return GuidedSpec("lark", f"{self.calls_rule(parallel)}\ncall: {' | '.join(calls)}\n")
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
