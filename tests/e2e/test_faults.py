@@ -68,6 +68,8 @@ def test_client_mistakes_are_400_with_an_openai_error_body(servers, target, stre
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"]
+    if target == "router":  # the worker's own words reach the client
+        assert error["message"] == _post(servers["colocated"], MISTAKES[mistake], stream).json()["error"]["message"]
 
 
 def _stream_gaps(url, gaps, started):

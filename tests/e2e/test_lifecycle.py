@@ -70,6 +70,21 @@ def test_a_stream_cancelled_after_3_chunks_is_gone_from_the_decode_worker_within
     assert _counter(decode, "xlserve_request_success_total", finished_reason="abort") >= 1
 
 
+def test_the_readme_talk_to_it_recipes_run_as_written(serve):
+    """The README's curl and openai-client blocks, with this server's port for 8000."""
+    import pathlib
+    import subprocess
+    import sys
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    section = readme.split("## Talk to it", 1)[1].split("\n## ", 1)[0]
+    curl = re.search(r"```bash\n(.*?)```", section, re.S).group(1).replace("127.0.0.1:8000", serve[7:])
+    python = re.search(r"```python\n(.*?)```", section, re.S).group(1).replace("127.0.0.1:8000", serve[7:])
+    answer = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120)
+    assert "Paris" in answer.stdout, answer.stdout + answer.stderr
+    haiku = subprocess.run([sys.executable, "-c", python], capture_output=True, text=True, timeout=120)
+    assert haiku.returncode == 0 and "cached prompt tokens:" in haiku.stdout, haiku.stdout + haiku.stderr
+
+
 def test_sighup_stops_serve_and_its_workers_like_ctrl_c(serve):
     proc = PROCESSES[serve]
     workers = [child.pid for child in psutil.Process(proc.pid).children()]

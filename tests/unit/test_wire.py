@@ -27,6 +27,7 @@ NON_DEFAULT = {
     "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.3, "stop": ("END", "\n\n"),
     "stop_token_ids": (7, 9), "ignore_eos": True, "logprobs": 3, "include_stop_str_in_output": True,
     "skip_special_tokens": False, "guided": GuidedSpec("regex", "[a-z]+"), "logit_bias": ((5, 100.0), (9, -2.5)),
+    "priority": -3,
 }
 
 

@@ -99,10 +99,66 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
     if hosts is not None:
         app.add_middleware(HostGuard, allowed=hosts)
     state.prices = PriceTable(config.price_input, config.price_cached_input, config.price_output)
-    chat = ChatHandler(state, config.tool_parser, config.reasoning_parser)
-    completions, tokens = CompletionHandler(state), TokenHandler(state)
-    responses = ResponsesHandler(chat, ResponseStore(config.responses_kept))
+    error_response = _add_error_handlers(app, state)
+    # A key on every door: public routes take the API key, internal ones the internal key;
+    # a worker with only one of them guards both with it (the router has no internal routes).
+    public_key = config.api_key or (config.internal_api_key if internal else "")
+    internal_key = config.internal_api_key or config.api_key
+    api = key_check(public_key)
+    app.state.api_dependencies = api
+    _add_status_routes(app, state, config, api, error_response)
 
+    async def respond(request: Request, model: type[BaseModel], handler):
+        if request_hook is not None:
+            request_hook(request)
+        body = await read_body(request, config.max_body_bytes)
+
+        def parse_and_prepare():
+            req = parse_json(body, model)
+            return req, handler.prepare(req)
+        req, prepared = await state.preprocessor.run(parse_and_prepare, len(body))
+        work = handler.stream(req, prepared) if req.stream else handler.complete(req, prepared)
+        result = await until_disconnected(request, work)  # a refusal raises here, before any byte
+        headers = response_headers() if response_headers else None
+        if req.stream:
+            return EventStreamResponse(result, headers=headers)
+        return JSONResponse(result, headers=headers)
+
+    def endpoint(model: type[BaseModel], handler):
+        async def handle(request: Request):
+            return await respond(request, model, handler)
+        return handle
+
+    chat = ChatHandler(state, config.tool_parser, config.reasoning_parser)
+    tokens = TokenHandler(state)
+    responses = ResponsesHandler(chat, ResponseStore(config.responses_kept))
+    for path, model, handler in (("/v1/chat/completions", ChatCompletionRequest, chat),
+                                 ("/v1/completions", CompletionRequest, CompletionHandler(state)),
+                                 ("/v1/responses", ResponsesRequest, responses),
+                                 ("/tokenize", TokenizeRequest, tokens), ("/detokenize", DetokenizeRequest, tokens)):
+        app.add_api_route(path, endpoint(model, handler), methods=["POST"], dependencies=api)
+    _add_response_store_routes(app, responses.store, api)
+    if internal:  # imported here: it needs torch (KV transfer), which the router never loads
+        from xlserve.worker.internal import add_internal_routes
+        app.state.disaggregation = add_internal_routes(app, state, config, key_check(internal_key), read_json)
+    return app
+
+
+def key_check(key: str) -> list:
+    """The dependency that wants ``Authorization: Bearer <key>`` (none when ``key`` is empty).
+    A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware hides client
+    disconnects from the endpoint, and we abort generations on disconnect."""
+    async def check(request: Request):
+        given = request.headers.get("authorization", "")
+        if key and not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+    return [Depends(check)]
+
+
+def _add_error_handlers(app: FastAPI, state: WorkerState):
+    """Every failure as an OpenAI error body (refusals counted by status); returns the
+    function that makes one."""
     def error_response(status: int, message: str, **kw) -> JSONResponse:
         state.metrics.errors.labels(status=str(status)).inc()
         headers = {"Retry-After": "1"} if status == 429 else None
@@ -137,26 +193,11 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
     @app.exception_handler(StarletteHTTPException)
     async def _http(_, e: StarletteHTTPException):
         return error_response(e.status_code, str(e.detail))
+    return error_response
 
-    # A key on every door: public routes take the API key, internal ones the internal key;
-    # a worker with only one of them guards both with it (the router has no internal routes).
-    public_key = config.api_key or (config.internal_api_key if internal else "")
-    internal_key = config.internal_api_key or config.api_key
 
-    def key_check(key: str):
-        # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware hides client
-        # disconnects from the endpoint, and we abort generations on disconnect.
-        async def check(request: Request):
-            given = request.headers.get("authorization", "")
-            if key and not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                               code="invalid_api_key")
-        return [Depends(check)]
-
-    api = key_check(public_key)
-    app.state.api_dependencies = api
-    observe = api if config.metrics_need_key else []
-
+def _add_status_routes(app: FastAPI, state: WorkerState, config: ServerConfig, api: list, error_response) -> None:
+    """Liveness, readiness, metrics and the model cards."""
     @app.get("/health")
     async def health():
         """Liveness (restart me if not 200): the engine runs and no step hangs."""
@@ -170,7 +211,7 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
         problem = engine.health_problem(config.hang_timeout) or engine.readiness_problem()
         return error_response(503, problem) if problem else {"status": "ready"}
 
-    @app.get("/metrics", dependencies=observe)
+    @app.get("/metrics", dependencies=api if config.metrics_need_key else [])
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -189,56 +230,20 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
                            "model", "model_not_found")
         return model_card()
 
-    async def respond(request: Request, model: type[BaseModel], handler):
-        if request_hook is not None:
-            request_hook(request)
-        body = await read_body(request, config.max_body_bytes)
 
-        def parse_and_prepare():
-            req = parse_json(body, model)
-            return req, handler.prepare(req)
-        req, prepared = await state.preprocessor.run(parse_and_prepare, len(body))
-        work = handler.stream(req, prepared) if req.stream else handler.complete(req, prepared)
-        result = await until_disconnected(request, work)  # a refusal raises here, before any byte
-        headers = response_headers() if response_headers else None
-        if req.stream:
-            return EventStreamResponse(result, headers=headers)
-        return JSONResponse(result, headers=headers)
-
-    @app.post("/v1/chat/completions", dependencies=api)
-    async def chat_completions(request: Request):
-        return await respond(request, ChatCompletionRequest, chat)
-
-    @app.post("/v1/completions", dependencies=api)
-    async def text_completions(request: Request):
-        return await respond(request, CompletionRequest, completions)
-
-    @app.post("/v1/responses", dependencies=api)
-    async def create_response(request: Request):
-        return await respond(request, ResponsesRequest, responses)
+def _add_response_store_routes(app: FastAPI, store: ResponseStore, api: list) -> None:
+    def missing(response_id: str) -> ApiError:
+        return ApiError(404, f"response {response_id!r} is not (or no longer) kept by this server")
 
     @app.get("/v1/responses/{response_id}", dependencies=api)
     async def get_response(response_id: str):
-        kept = responses.store.get(response_id)
+        kept = store.get(response_id)
         if kept is None:
-            raise ApiError(404, f"response {response_id!r} is not (or no longer) kept by this server")
+            raise missing(response_id)
         return kept.response
 
     @app.delete("/v1/responses/{response_id}", dependencies=api)
     async def delete_response(response_id: str):
-        if not responses.store.delete(response_id):
-            raise ApiError(404, f"response {response_id!r} is not (or no longer) kept by this server")
+        if not store.delete(response_id):
+            raise missing(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
-
-    @app.post("/tokenize", dependencies=api)
-    async def tokenize(request: Request):
-        return await respond(request, TokenizeRequest, tokens)
-
-    @app.post("/detokenize", dependencies=api)
-    async def detokenize(request: Request):
-        return await respond(request, DetokenizeRequest, tokens)
-
-    if internal:  # imported here: it needs torch (KV transfer), which the router never loads
-        from xlserve.worker.internal import add_internal_routes
-        app.state.disaggregation = add_internal_routes(app, state, config, key_check(internal_key), read_json)
-    return app
