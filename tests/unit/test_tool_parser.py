@@ -157,3 +157,23 @@ def test_forced_grammar_names_only_the_chosen_tool():
         get_tool_parser("pythonic").forced_call_grammar(tools, None, parallel=False)
     with pytest.raises(ValueError, match="unknown"):
         get_tool_parser("nope")
+
+
+@pytest.mark.parametrize("name", ["kimi_k2", "deepseek_v31"])
+def test_a_forced_call_names_the_special_markers_by_token_id(name):
+    """The model emits Kimi's and DeepSeek's markers as single special tokens; the grammar
+    of a forced call must allow exactly those tokens, not the marker spelled out."""
+    from xlserve.engine.guided import GuidedDecoding
+    from xlserve.loader.tokenizer import load_model_tokenizer
+    tokenizer = load_model_tokenizer("default")
+    plain = get_tool_parser(name)
+    tokenizer.backend.add_special_tokens([plain.section, plain.call, plain.args, plain.end, plain.section_end])
+    ids = tokenizer.special_token_ids
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    spec = get_tool_parser(name, ids).forced_call_grammar(tools, "get_weather", parallel=True)
+    assert f"<[{ids[plain.call]}]>" in spec.spec and plain.call not in spec.spec
+    guided = GuidedDecoding(tokenizer, tokenizer.backend.get_vocab_size(with_added_tokens=True))
+    guided.validate(spec)
+    first = guided.allowed(guided.matcher(spec)).nonzero().flatten().tolist()
+    assert first == [ids[plain.section]]

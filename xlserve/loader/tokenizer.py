@@ -6,6 +6,7 @@ from GGUF metadata (tokens, merges, token types, bos/eos, add_bos).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Sequence
@@ -30,6 +31,11 @@ class Tokenizer:
         bos = backend.id_to_token(bos_token_id) if bos_token_id is not None else ""
         eos = backend.id_to_token(min(eos_token_ids)) if eos_token_ids else ""
         self.chat_template = ChatTemplate(chat_template, bos or "", eos or "")
+
+    @functools.cached_property
+    def special_token_ids(self) -> dict[str, int]:
+        """Special (control) tokens by text: they have no spelling in ordinary tokens."""
+        return {t.content: i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
 
     def use_chat_template(self, path: str) -> None:
         """Replace the model's chat template with the Jinja file at ``path`` (``--chat-template``)."""

@@ -93,7 +93,8 @@ class ChatHandler:
             raise ValueError(f"one constraint at a time; got {' and '.join(k for k, v in candidates.items() if v)}")
         if required:
             tools = [t.model_dump(exclude_none=True) for t in req.tools]
-            return get_tool_parser(self.tool_parser).forced_call_grammar(tools, name, bool(req.parallel_tool_calls))
+            parser = get_tool_parser(self.tool_parser, self.state.tokenizer.special_token_ids)
+            return parser.forced_call_grammar(tools, name, bool(req.parallel_tool_calls))
         return req.response_format.guided() if req.response_format else req.constraint()
 
     async def complete(self, req: ChatCompletionRequest, plan: ChatPlan) -> dict:

@@ -28,7 +28,8 @@ def detect_tool_parser(chat_template: str) -> str:
     return HermesToolParser.name
 
 
-def get_tool_parser(name: str) -> ToolParser:
+def get_tool_parser(name: str, special_tokens: dict[str, int] | None = None) -> ToolParser:
+    """``special_tokens``: the tokenizer's, for forced-call grammars (see ``ToolParser``)."""
     if name not in TOOL_PARSERS:
         raise ValueError(f"tool parser {name!r} unknown; available: {AUTO}, {', '.join(sorted(TOOL_PARSERS))}")
-    return TOOL_PARSERS[name]()
+    return TOOL_PARSERS[name](special_tokens)

@@ -91,11 +91,32 @@ class ToolParser(ABC):
         raise ValueError(f"a forced tool call (tool_choice 'required' or a named tool) is not available with "
                          f"the {self.name} tool-call format; use tool_choice 'auto'")
 
+    def __init__(self, special_tokens: dict[str, int] | None = None):
+        """``special_tokens``: the tokenizer's special tokens (text -> id). A forced call's
+        grammar names them by id: a special token has no spelling in ordinary tokens, so a
+        quoted marker would make the model spell it out instead."""
+        self.special_tokens = special_tokens or {}
+
+    def lit(self, text: str) -> str:
+        """``text`` as a Lark expression: special tokens by id, the rest as strings."""
+        if not text:
+            return '""'
+        parts, pos = [], 0
+        while pos < len(text):
+            hits = [(text.find(t, pos), t) for t in self.special_tokens if text.find(t, pos) >= 0]
+            at, token = min(hits, key=lambda h: (h[0], -len(h[1]))) if hits else (len(text), "")
+            if at > pos:
+                parts.append(lark_literal(text[pos:at]))
+            if token:
+                parts.append(f"<[{self.special_tokens[token]}]>")
+            pos = at + len(token)
+        return " ".join(parts)
+
     def calls_rule(self, parallel: bool) -> str:
         """The Lark start rule around the ``call`` rule: one call, or several in a row."""
-        more = f" ({lark_literal(self.separator)} call)*" if parallel else ""
-        begin = f"{lark_literal(self.calls_begin)} " if self.calls_begin else ""
-        end = f" {lark_literal(self.calls_end)}" if self.calls_end else ""
+        more = f" ({self.lit(self.separator)} call)*" if parallel else ""
+        begin = f"{self.lit(self.calls_begin)} " if self.calls_begin else ""
+        end = f" {self.lit(self.calls_end)}" if self.calls_end else ""
         return f"start: {begin}call{more}{end}"
 
     def forced_call_grammar(self, tools: list[dict], name: str | None, parallel: bool) -> GuidedSpec:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from xlserve.openai.tool_parsers.base import CallState, Snapshot, ToolParser, held_back, lark_literal
+from xlserve.openai.tool_parsers.base import CallState, Snapshot, ToolParser, held_back
 
 
 class DelimitedToolParser(ToolParser):
@@ -15,6 +15,14 @@ class DelimitedToolParser(ToolParser):
     ``_name(header)`` reads the name (and id) from the header."""
 
     section = section_end = call = args = end = ""
+
+    @property
+    def calls_begin(self) -> str:  # forced calls open and close the section as the model does
+        return self.section
+
+    @property
+    def calls_end(self) -> str:
+        return self.section_end
 
     def _name(self, header: str) -> tuple[str, str | None] | None:
         raise NotImplementedError
@@ -46,7 +54,7 @@ class DelimitedToolParser(ToolParser):
         return snap
 
     def call_rule(self, name, schema):
-        return f"{lark_literal(self.call + self._header(name) + self.args)} %json {schema} {lark_literal(self.end)}"
+        return f"{self.lit(self.call + self._header(name) + self.args)} %json {schema} {self.lit(self.end)}"
 
     def _header(self, name: str) -> str:
         return name
@@ -62,14 +70,6 @@ class KimiK2ToolParser(DelimitedToolParser):
     call, args, end = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
     separator = ""
     _ID = re.compile(r"(?:functions\.)?([\w.\-]+):\d+")
-
-    @property
-    def calls_begin(self):
-        return self.section
-
-    @property
-    def calls_end(self):
-        return self.section_end
 
     def _name(self, header):
         m = self._ID.fullmatch(header)
@@ -104,6 +104,7 @@ class DeepSeekV31ToolParser(DelimitedToolParser):
     template_markers = ("<｜tool▁call▁begin｜>",)
     section, section_end = DeepSeekV3ToolParser.section, DeepSeekV3ToolParser.section_end
     call, args, end = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+    separator = ""
 
     def _name(self, header):
         return (header, None) if header and self.args not in header else None

@@ -102,7 +102,7 @@ class HermesToolParser(ToolParser):
             pos = close + len(self.CLOSE)
 
     def call_rule(self, name, schema):
-        open_, close = lark_literal(self.OPEN + "\n"), lark_literal("\n" + self.CLOSE)
+        open_, close = self.lit(self.OPEN + "\n"), self.lit("\n" + self.CLOSE)
         return f"{open_} {json_call_rule(name, schema)} {close}"
 
 
