@@ -178,9 +178,9 @@ def test_one_call_batched_decode_matches_per_layer_path(tiny_llama_dir, monkeypa
     monkeypatch.setattr(cpu_ops, "decode_layers_", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     one_call = _decode(tiny_llama_dir, prompts)
     assert sorted(set(calls)) == [8]
-    whole = llama.DecoderLayer.whole_layer_kernel
-    monkeypatch.setattr(llama.DecoderLayer, "whole_layer_kernel",
-                        lambda self, x: x.shape[0] <= cpu_ops.LINEAR_MAX_ROWS and whole(self, x))
+    whole = llama.DecoderLayer.one_call_fits
+    monkeypatch.setattr(llama.DecoderLayer, "one_call_fits",
+                        lambda self, rows: rows <= cpu_ops.LINEAR_MAX_ROWS and whole(self, rows))
     per_layer = _decode(tiny_llama_dir, prompts)
     assert [o.token_ids for o in one_call] == [o.token_ids for o in per_layer]
     for a, b in zip(one_call, per_layer):

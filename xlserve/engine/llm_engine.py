@@ -7,6 +7,7 @@ server's engine thread, or ``LLM.generate``).
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 import time
@@ -56,6 +57,7 @@ class LLMEngine:
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else set()
         self._detokenizers: dict[str, Detokenizer | None] = {}
         self.num_steps = 0
+        self.steps_by_path: collections.Counter = collections.Counter()  # DecodePath -> steps taken
         self.num_failed_requests = 0
 
     # -- requests -----------------------------------------------------------------
@@ -131,6 +133,8 @@ class LLMEngine:
         outputs = self._refuse_overdue()
         sched_out = self.scheduler.schedule()
         runner_out = self._execute(sched_out)
+        if runner_out.decode_path is not None:
+            self.steps_by_path[runner_out.decode_path] += 1
         outputs += [out for rid, why in runner_out.errors.items() if (out := self._fail(rid, why))]
         advanced = self.scheduler.update(sched_out, runner_out.sampled, runner_out.logprobs)
         self.num_steps += 1

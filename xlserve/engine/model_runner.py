@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from xlserve.engine.cuda_graph import DecodeGraphs
+from xlserve.engine.decode_plan import DecodePath, StepShape, plan_decode
 from xlserve.engine.errors import FATAL_ERRORS, RequestError, describe
 from xlserve.engine.guided import GuidedDecoding
 from xlserve.engine.sampler import Sampler
@@ -18,6 +19,7 @@ from xlserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from xlserve.kernels import cpu_ops
 from xlserve.layers.attention import AttentionMetadata, PrefillChunk, additive_mask, block_table, decode_context
 from xlserve.loader.model_loader import LoadedModel
+from xlserve.models.arch import FEATURES
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,7 @@ class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, dict] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # request id -> why it cannot go on
+    decode_path: DecodePath | None = None  # the path the step's forward took
 
     def merge(self, other: "RunnerOutput") -> None:
         self.sampled.update(other.sampled)
@@ -51,6 +54,8 @@ class ModelRunner:
         self.kv_bytes = 2 * arch.num_layers * num_slots * arch.num_kv_heads * arch.head_dim * \
             torch.empty((), dtype=loaded.dtype).element_size()
         self.fused_shapes = cpu_ops.supports_shape(arch.num_heads, arch.num_kv_heads, arch.head_dim)
+        # a model that does not say which features it uses may use all of them: no fast CPU path
+        self.features = getattr(self.model, "features", FEATURES)
         self.sampler = Sampler()
         self.generators: dict[str, tuple[int, torch.Generator]] = {}
         self.guided = guided
@@ -80,7 +85,16 @@ class ModelRunner:
             return first * self.block_size
         return None
 
-    def _build_metadata(self, scheduled: list[ScheduledRequest]) -> AttentionMetadata:
+    def plan(self, scheduled: list[ScheduledRequest]) -> DecodePath:
+        """The path of this step's forward, decided once (see ``engine/decode_plan.py``)."""
+        decode_only = all(len(s.token_ids) == 1 for s in scheduled)
+        rows = len(scheduled)
+        one_call = getattr(self.model, "one_call_fits", None)
+        step = StepShape(decode_only, rows, graph_fits=self._graph_fits(scheduled), cpu_kernels=self._kernels_apply(),
+                         one_call_fits=decode_only and one_call is not None and one_call(rows))
+        return plan_decode(step, self.features, cpu_ops.MAX_ROWS)
+
+    def _build_metadata(self, scheduled: list[ScheduledRequest], path: DecodePath) -> AttentionMetadata:
         slot_parts, decode, prefills = [], [], []
         row = 0
         for s in scheduled:
@@ -97,14 +111,14 @@ class ModelRunner:
                                              self._contiguous_start(s.block_ids, start)))
             row += n
         meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), prefills=prefills,
-                                 cpu_kernels=self._kernels_apply())
+                                 cpu_kernels=self._kernels_apply(), decode_path=path)
         if decode:
-            self._decode_metadata(meta, decode, not prefills)
+            self._decode_metadata(meta, decode)
         # rows in batch order: decode rows carry one slot each, at their place among the chunks
         meta.slot_mapping = self._ordered_slots(scheduled, slot_parts, meta).to(self.device)
         return meta
 
-    def _decode_metadata(self, meta: AttentionMetadata, decode: list, decode_only: bool) -> None:
+    def _decode_metadata(self, meta: AttentionMetadata, decode: list) -> None:
         """Context slots of every one-token sequence from one padded block table, in one gather."""
         lens = torch.tensor([s.start_position + 1 for _, s in decode])
         longest = int(lens.max())
@@ -112,7 +126,6 @@ class ModelRunner:
         slots, real, meta.decode_new_slots = decode_context(table, lens, longest, self.block_size)
         meta.decode_rows = torch.tensor([r for r, _ in decode], device=self.device)
         meta.decode_lens = lens.to(self.device)
-        meta.fused_decode = meta.cpu_kernels and decode_only and len(decode) <= cpu_ops.MAX_ROWS
         meta.decode_slots = slots.to(self.device)
         if not meta.fused_decode:  # the fused kernel reads lengths; SDPA needs the padding masked
             meta.decode_mask = additive_mask(real.view(len(decode), 1, 1, longest).to(self.device),
@@ -136,34 +149,36 @@ class ModelRunner:
             self.matchers.pop(request_id, None)
         if not output.scheduled:
             return RunnerOutput()
-        if self._graph_step(output.scheduled):
+        path = self.plan(output.scheduled)
+        if path is DecodePath.CUDA_GRAPH:
             scheduled = output.scheduled
             logits = self.graphs.logits([s.token_ids[0] for s in scheduled], [s.start_position for s in scheduled],
                                         [s.block_ids for s in scheduled])
-            return self._sample(logits[:len(scheduled)], scheduled)
+            return self._sample(logits[:len(scheduled)], scheduled, path)
         ids, positions, last_rows = [], [], []
         for s in output.scheduled:
             ids.extend(s.token_ids)
             positions.extend(range(s.start_position, s.start_position + len(s.token_ids)))
             last_rows.append(len(ids) - 1)
-        meta = self._build_metadata(output.scheduled)
+        meta = self._build_metadata(output.scheduled, path)
         hidden = self.model(torch.tensor(ids, device=self.device),
                             torch.tensor(positions, device=self.device), meta)
         sampling = [(s, r) for s, r in zip(output.scheduled, last_rows) if s.sample]
         if not sampling:
-            return RunnerOutput()
+            return RunnerOutput(decode_path=path)
         rows = torch.tensor([r for _, r in sampling], device=self.device)
         logits = self.model.compute_logits(hidden[rows])
-        return self._sample(logits, [s for s, _ in sampling])
+        return self._sample(logits, [s for s, _ in sampling], path)
 
-    def _graph_step(self, scheduled: list[ScheduledRequest]) -> bool:
+    def _graph_fits(self, scheduled: list[ScheduledRequest]) -> bool:
         """A decode-only step that a CUDA graph can replay."""
         return (self.graphs is not None and all(len(s.token_ids) == 1 and s.sample for s in scheduled)
                 and self.graphs.supports(len(scheduled), max(s.start_position for s in scheduled) + 1))
 
-    def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> RunnerOutput:
+    def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest],
+                path: DecodePath | None = None) -> RunnerOutput:
         """One token per row; a row that fails ends only its own request (``errors``)."""
-        out = RunnerOutput()
+        out = RunnerOutput(decode_path=path)
         top = logits.max(-1)  # first maximum, like argmax; 2x faster on CPU rows
         greedy = top.indices.tolist()
         # max propagates NaN and +inf, so this costs no extra pass over the vocabulary

@@ -286,7 +286,7 @@ def decode_layers_(x: torch.Tensor, table: torch.Tensor, eps: float, num_heads: 
                    head_dim: int, intermediate: int, cos: torch.Tensor, sin: torch.Tensor, new_slots: torch.Tensor,
                    slots: torch.Tensor, lens: torch.Tensor) -> None:
     """Every Llama-style decoder layer on ``x`` [B, H] in place (bf16 weights; B within
-    ``DecoderLayer.whole_layer_kernel``'s rule): ``table`` [layers, LAYER_POINTERS] int64
+    ``DecoderLayer.one_call_fits``' rule): ``table`` [layers, LAYER_POINTERS] int64
     holds each layer's weight and KV-cache addresses; cos/sin [B, D]; the new K/V go to
     ``new_slots``, attention reads ``slots``."""
     if table.dim() != 2 or table.shape[1] != LAYER_POINTERS or table.dtype != torch.int64:

@@ -9,6 +9,7 @@ chunks (prefill, chunked prefill, prefix hits) attend one sequence at a time.
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -58,6 +59,14 @@ class PrefillChunk:
     prefix_first_slot: int | None = None  # the cached prefix is slots [this, this + C - n) when not None
 
 
+class DecodePath(str, enum.Enum):
+    """The path of one step's forward (decided by ``engine/decode_plan.py:plan_decode``)."""
+    CUDA_GRAPH = "cuda_graph"  # a decode step replayed from a captured CUDA graph of the eager model
+    ONE_CALL = "one_call"  # every layer of a CPU decode step in one C call (cpu_ops.decode_layers_)
+    FUSED_LAYERS = "fused_layers"  # CPU decode step, each layer on the fused kernels from Python
+    EAGER = "eager"  # torch ops: prefill chunks, mixed steps, and whatever no fast path takes
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
@@ -67,8 +76,13 @@ class AttentionMetadata:
     decode_lens: torch.Tensor | None = None  # [B] context length of each decode row
     decode_new_slots: torch.Tensor | None = None  # [B] where each decode row's new K/V goes (CPU)
     cpu_kernels: bool = False  # the CPU kernels apply to this step (device, dtype, head shapes, library)
-    fused_decode: bool = False  # decode-only CPU step on the fused kernels (rows = batch, in order)
+    decode_path: DecodePath = DecodePath.EAGER  # chosen once per step (engine/decode_plan.py)
     prefills: list[PrefillChunk] = field(default_factory=list)
+
+    @property
+    def fused_decode(self) -> bool:
+        """A decode-only CPU step on the fused kernels (rows = batch, in order)."""
+        return self.decode_path in (DecodePath.ONE_CALL, DecodePath.FUSED_LAYERS)
 
 
 class AttentionBackend(ABC):

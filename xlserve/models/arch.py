@@ -5,6 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ROPE_TYPES = ("default", "linear", "llama3")
+# Every ModelArch field is one or the other (a test checks): sizes and constants, which the
+# fast paths check as shapes, and features, which change what a layer computes and which
+# each decode path declares it implements or not (engine/decode_plan.py).
+DIMENSIONS = frozenset({"architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                        "num_heads", "num_kv_heads", "head_dim", "rms_norm_eps", "rope_theta",
+                        "max_position_embeddings"})
+FEATURES = frozenset({"attention_bias", "qk_norm", "tie_word_embeddings", "rope_scaling"})
 
 
 @dataclass(frozen=True)
@@ -74,3 +81,10 @@ class ModelArch:
             attention_bias=bool(cfg.get("attention_bias", False)),
             rope_scaling=tuple(sorted(scaling.items())),
         )
+
+    def features(self, qkv_bias: bool = False, qk_norm: bool = False) -> frozenset[str]:
+        """The features this model uses; ``qkv_bias`` / ``qk_norm``: set by its class
+        (Qwen2, Qwen3) rather than its config."""
+        used = {"attention_bias": self.attention_bias or qkv_bias, "qk_norm": self.qk_norm or qk_norm,
+                "tie_word_embeddings": self.tie_word_embeddings, "rope_scaling": bool(self.rope_scaling)}
+        return frozenset(name for name, on in used.items() if on)

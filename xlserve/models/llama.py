@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from xlserve.kernels import cpu_ops
-from xlserve.layers.attention import AttentionMetadata, get_attention_backend
+from xlserve.layers.attention import AttentionMetadata, DecodePath, get_attention_backend
 from xlserve.layers.embedding import Embedding
 from xlserve.layers.linear import Linear, MergedLinear, copy_checked, linear
 from xlserve.layers.norm import RMSNorm
@@ -83,20 +83,22 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(arch)
 
     def forward(self, cos_sin, x, meta):
-        if meta.fused_decode:
+        if meta.decode_path is DecodePath.FUSED_LAYERS:
             return self._forward_fused(cos_sin, x, meta)
         x = x + self.self_attn(cos_sin, self.input_layernorm(x), meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def whole_layer_kernel(self, x: torch.Tensor) -> bool:
-        """The decode-layer kernel applies: CPU, no QK norm, bf16 weights, and 1-4 rows (the
-        row kernel) or up to ``cpu_ops.MAX_ROWS`` where every projection fits AMX."""
+    def one_call_fits(self, rows: int) -> bool:
+        """The decode-layer kernel takes ``rows`` rows of this layer: bf16 weights, and 1-4
+        rows (the row kernel) or up to ``cpu_ops.AMX_MAX_ROWS`` where every projection fits
+        AMX (the features it implements: ``engine/decode_plan.py``)."""
         attn, mlp = self.self_attn, self.mlp
-        if attn.q_norm is not None:
+        if attn.qkv_proj.weight.dtype != torch.bfloat16 or not cpu_ops.usable(attn.qkv_proj.weight):
             return False
-        return cpu_ops.use_linear(x, attn.qkv_proj.weight) or (
-            cpu_ops.use_amx(x, attn.qkv_proj.weight)
-            and cpu_ops.amx_shapes(attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight))
+        return rows <= cpu_ops.LINEAR_MAX_ROWS or (
+            rows <= cpu_ops.AMX_MAX_ROWS and cpu_ops.amx_ready()
+            and cpu_ops.amx_shapes(attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight,
+                                   mlp.down_proj.weight))
 
     def kernel_addresses(self) -> list[int]:
         """This layer's weight and KV-cache addresses in ``cpu_ops.decode_layers_``'s order."""
@@ -133,7 +135,7 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
-        if meta.fused_decode and self.layers[0].whole_layer_kernel(x):
+        if meta.decode_path is DecodePath.ONE_CALL:
             return self.norm(self._decode_in_one_call(cos_sin, x, meta))
         for layer in self.layers:
             x = layer(cos_sin, x, meta)
@@ -157,6 +159,14 @@ class DecoderModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The model features this instance uses (which decode paths may run it)."""
+        return self.arch.features(self.qkv_bias, self.qk_norm)
+
+    def one_call_fits(self, rows: int) -> bool:
+        return self.model.layers[0].one_call_fits(rows)
 
     def __init__(self, arch: ModelArch):
         super().__init__()
