@@ -50,6 +50,9 @@ def test_model_features_come_from_the_config_and_the_class(tiny_model_dirs):
     assert arch.features(qkv_bias=True, qk_norm=True) >= {"attention_bias", "qk_norm"}
     qwen3 = LLM(tiny_model_dirs["qwen3"], kv_cache_tokens=512)
     assert "qk_norm" in qwen3.engine.runner.features
+    moe = LLM(tiny_model_dirs["qwen3_moe"], kv_cache_tokens=512).engine.runner.features
+    assert {"num_experts", "norm_topk_prob", "mlp_only_layers", "qk_norm"} <= moe
+    assert plan_decode(ALL_FAST, moe, max_fused_rows=64) is DecodePath.EAGER  # no fused kernel routes experts
 
 
 def test_the_engine_records_the_path_of_every_step(tiny_llama_dir):

@@ -5,7 +5,7 @@ import torch
 
 from xlserve import LLM, SamplingParams
 
-ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
+ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
 
 
 def _hf_model(path):
@@ -48,3 +48,16 @@ def test_greedy_32_tokens_match_transformers(tiny_model_dirs, arch):
     llm = LLM(path, dtype="float32", kv_cache_tokens=1024)
     out = llm.generate(prompt, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == ids[len(prompt):]
+
+
+def test_experts_run_once_per_step_over_all_their_tokens(tiny_model_dirs, monkeypatch):
+    """Tokens are grouped by expert: a 40-token prefill on 4 experts (top 2) runs each
+    active expert once per sparse layer over all its tokens, not once per token."""
+    from xlserve.layers.moe import SparseMoE
+    llm = LLM(tiny_model_dirs["mixtral"], dtype="float32", kv_cache_tokens=1024)
+    calls = []
+    real = SparseMoE.expert
+    monkeypatch.setattr(SparseMoE, "expert", lambda self, i, x: calls.append((i, x.shape[0])) or real(self, i, x))
+    _xl_logits(llm, list(range(3, 43)))
+    assert len(calls) <= 2 * 4  # two sparse layers, four experts
+    assert sum(rows for _, rows in calls) == 2 * 40 * 2  # every token reaches its two experts, in each layer

@@ -10,8 +10,9 @@ ROPE_TYPES = ("default", "linear", "llama3")
 # each decode path declares it implements or not (engine/decode_plan.py).
 DIMENSIONS = frozenset({"architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
                         "num_heads", "num_kv_heads", "head_dim", "rms_norm_eps", "rope_theta",
-                        "max_position_embeddings"})
-FEATURES = frozenset({"attention_bias", "qk_norm", "tie_word_embeddings", "rope_scaling"})
+                        "max_position_embeddings", "num_experts_per_tok", "moe_intermediate_size"})
+FEATURES = frozenset({"attention_bias", "qk_norm", "tie_word_embeddings", "rope_scaling", "num_experts",
+                      "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"})
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,13 @@ class ModelArch:
     attention_bias: bool = False
     qk_norm: bool = False
     rope_scaling: tuple = ()  # sorted (key, value) pairs, hashable
+    # mixture of experts (Mixtral, Qwen3-MoE): softmax top-k routing; 0 experts: dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalize the chosen experts' weights to sum to 1
+    decoder_sparse_step: int = 1  # every n-th layer is sparse (Qwen MoE's rule)
+    mlp_only_layers: tuple = ()  # layers that stay dense
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -40,6 +48,11 @@ class ModelArch:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"model config: num_attention_heads ({self.num_heads}) must be a "
                              f"multiple of num_key_value_heads ({self.num_kv_heads})")
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts
+                                     and self.moe_intermediate_size > 0 and self.decoder_sparse_step > 0):
+            raise ValueError(f"model config: {self.num_experts} experts need 1..{self.num_experts} experts per "
+                             f"token (got {self.num_experts_per_tok}), a positive moe_intermediate_size and "
+                             "decoder_sparse_step")
         rope_type = self.rope_scaling_dict.get("rope_type", "default")
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"rope scaling {rope_type!r} is not supported; supported: {ROPE_TYPES}")
@@ -80,11 +93,33 @@ class ModelArch:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             rope_scaling=tuple(sorted(scaling.items())),
+            **_moe_fields(cfg),
         )
+
+    def sparse_layer(self, index: int) -> bool:
+        """Layer ``index`` routes to experts (else it has a dense MLP)."""
+        return (self.num_experts > 0 and index not in self.mlp_only_layers
+                and (index + 1) % self.decoder_sparse_step == 0)
 
     def features(self, qkv_bias: bool = False, qk_norm: bool = False) -> frozenset[str]:
         """The features this model uses; ``qkv_bias`` / ``qk_norm``: set by its class
         (Qwen2, Qwen3) rather than its config."""
+        moe = self.num_experts > 0
         used = {"attention_bias": self.attention_bias or qkv_bias, "qk_norm": self.qk_norm or qk_norm,
-                "tie_word_embeddings": self.tie_word_embeddings, "rope_scaling": bool(self.rope_scaling)}
+                "tie_word_embeddings": self.tie_word_embeddings, "rope_scaling": bool(self.rope_scaling),
+                "num_experts": moe, "norm_topk_prob": moe and not self.norm_topk_prob,
+                "decoder_sparse_step": moe and self.decoder_sparse_step != 1,
+                "mlp_only_layers": moe and bool(self.mlp_only_layers)}
         return frozenset(name for name, on in used.items() if on)
+
+
+def _moe_fields(cfg: dict) -> dict:
+    """Mixtral names its experts ``num_local_experts``, Qwen MoE ``num_experts``."""
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    if not experts:
+        return {}
+    return {"num_experts": experts, "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 2)),
+            "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
+            "decoder_sparse_step": int(cfg.get("decoder_sparse_step") or 1),
+            "mlp_only_layers": tuple(int(i) for i in cfg.get("mlp_only_layers") or ())}

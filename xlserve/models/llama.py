@@ -6,6 +6,7 @@ The KV cache is bound once with ``bind_kv_cache``; nothing is global.
 
 from __future__ import annotations
 
+import re
 from typing import Iterable
 
 import torch
@@ -15,10 +16,12 @@ from xlserve.kernels import cpu_ops
 from xlserve.layers.attention import AttentionMetadata, DecodePath, get_attention_backend
 from xlserve.layers.embedding import Embedding
 from xlserve.layers.linear import Linear, MergedLinear, copy_checked, linear
+from xlserve.layers.moe import EXPERT_PARTS, SparseMoE
 from xlserve.layers.norm import RMSNorm
 from xlserve.layers.rotary import RotaryEmbedding
 from xlserve.models.arch import ModelArch
 
+_EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(\w+)\.weight")
 # checkpoint projection name -> (fused module name, shard id)
 STACKED_PARAMS = {
     "q_proj": ("qkv_proj", "q"),
@@ -75,12 +78,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = Attention(arch, rotary, qkv_bias, qk_norm)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch)
+        self.mlp = SparseMoE(arch) if arch.sparse_layer(index) else MLP(arch)
 
     def forward(self, cos_sin, x, meta):
         if meta.decode_path is DecodePath.FUSED_LAYERS:
@@ -126,8 +129,8 @@ class DecoderModel(nn.Module):
         self.rotary = rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
                                  arch.rope_scaling_dict)
         self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, rotary, qkv_bias, qk_norm)
-                                    for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, rotary, qkv_bias, qk_norm, i)
+                                    for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         # [layers, 9] addresses for the one-call decode; bind_kv_cache resets them
         self.layer_addresses: torch.Tensor | None = None
@@ -194,18 +197,17 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb" in name or (name == "lm_head.weight" and self.arch.tie_word_embeddings):
                 continue
-            target, shard = name, None
-            for proj, (fused, shard_id) in STACKED_PARAMS.items():
-                if f".{proj}." in name:
-                    target, shard = name.replace(f".{proj}.", f".{fused}."), shard_id
-                    break
+            target, shard = _param_name(name.replace(".block_sparse_moe.", ".mlp."))
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.arch.architecture}")
+            module = self.get_submodule(target.rsplit(".", 1)[0])
             if shard is None:
                 copy_checked(param, tensor, name)
+            elif isinstance(module, SparseMoE):
+                module.load_expert(*shard, tensor)
             else:
-                self.get_submodule(target.rsplit(".", 1)[0]).load_shard(param, tensor, shard)
+                module.load_shard(param, tensor, shard)
             loaded.add((target, shard))
         expected = self._expected_loads(params)
         missing = sorted(f"{t}[{s}]" if s else t for t, s in expected - loaded)
@@ -217,7 +219,24 @@ class LlamaForCausalLM(nn.Module):
         for name in params:
             if name == "lm_head.weight" and self.arch.tie_word_embeddings:
                 continue
-            module = self.get_submodule(name.rsplit(".", 1)[0])
+            prefix = name.rsplit(".", 1)[0]
+            module = self.get_submodule(prefix)
+            if isinstance(module, SparseMoE) and name.rsplit(".", 1)[1] != "weight":
+                expected |= {load for load in module.expected_loads(prefix) if load[0] == name}
+                continue
             shards = module.shard_offsets if isinstance(module, MergedLinear) else {None: None}
             expected |= {(name, s) for s in shards}
         return expected
+
+
+def _param_name(name: str) -> tuple[str, object]:
+    """Our parameter for a checkpoint tensor, and the shard of it the tensor fills: a part
+    of a fused projection, (expert, part) of a stacked expert weight, or None (all of it)."""
+    m = _EXPERT.fullmatch(name)
+    if m:
+        stacked, part = EXPERT_PARTS[m.group(3)]
+        return f"{m.group(1)}.{stacked}", (int(m.group(2)), part)
+    for proj, (fused, shard_id) in STACKED_PARAMS.items():
+        if f".{proj}." in name:
+            return name.replace(f".{proj}.", f".{fused}."), shard_id
+    return name, None

@@ -10,8 +10,10 @@ from xlserve.models.arch import ModelArch
 MODEL_REGISTRY = {
     "LlamaForCausalLM": ("xlserve.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("xlserve.models.llama", "LlamaForCausalLM"),
+    "MixtralForCausalLM": ("xlserve.models.llama", "LlamaForCausalLM"),  # MoE layers from the config
     "Qwen2ForCausalLM": ("xlserve.models.qwen", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("xlserve.models.qwen", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("xlserve.models.qwen", "Qwen3ForCausalLM"),
 }
 
 # GGUF general.architecture -> Hugging Face architecture name
