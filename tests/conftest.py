@@ -9,7 +9,15 @@ TINY_COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hi
 
 
 def _tiny_configs():
-    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
     return {
         "llama": LlamaConfig(**TINY_COMMON, rope_theta=10000.0),
         "llama3": LlamaConfig(**{**TINY_COMMON, "tie_word_embeddings": True}, rope_theta=500000.0,
@@ -19,6 +27,8 @@ def _tiny_configs():
         "qwen2": Qwen2Config(**TINY_COMMON, use_sliding_window=False),
         "qwen3": Qwen3Config(**TINY_COMMON, head_dim=32, use_sliding_window=False),
         "mixtral": MixtralConfig(**TINY_COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+        "qwen2_moe": Qwen2MoeConfig(**TINY_COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=48, use_sliding_window=False),
         "qwen3_moe": Qwen3MoeConfig(**TINY_COMMON, head_dim=32, num_experts=4, num_experts_per_tok=2,
                                     moe_intermediate_size=32, norm_topk_prob=False, decoder_sparse_step=1,
                                     mlp_only_layers=[1], use_sliding_window=False),

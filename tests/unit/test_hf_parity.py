@@ -5,7 +5,7 @@ import torch
 
 from xlserve import LLM, SamplingParams
 
-ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
+ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
 
 
 def _hf_model(path):

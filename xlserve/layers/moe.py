@@ -1,5 +1,6 @@
-"""A sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE): a softmax router picks the top-k
-experts of each token, and each expert is a SwiGLU MLP.
+"""A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a softmax router picks
+the top-k experts of each token, each expert is a SwiGLU MLP, and a shared expert (Qwen2-MoE),
+scaled by its own sigmoid gate, sees every token.
 
 Tokens are grouped by expert (sorted once per step) and each active expert runs one
 matmul over all of its tokens — never a Python loop over tokens.
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from xlserve.layers.linear import Linear, copy_checked
+from xlserve.layers.mlp import MLP
 from xlserve.models.arch import ModelArch
 
 # checkpoint expert projection -> (our stacked weight, part): Mixtral's w1/w3/w2, Qwen's names
@@ -27,6 +29,10 @@ class SparseMoE(nn.Module):
         self.gate = Linear(hidden, arch.num_experts, bias=False)  # the router
         self.w_gate_up = nn.Parameter(torch.empty(arch.num_experts, 2 * size, hidden), requires_grad=False)
         self.w_down = nn.Parameter(torch.empty(arch.num_experts, hidden, size), requires_grad=False)
+        self.shared_expert = self.shared_expert_gate = None
+        if arch.shared_expert_intermediate_size:
+            self.shared_expert = MLP(hidden, arch.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(hidden, 1, bias=False)
 
     def load_expert(self, expert: int, part: str, loaded: torch.Tensor) -> None:
         """One expert's projection from the checkpoint into the stacked weights."""
@@ -65,6 +71,8 @@ class SparseMoE(nn.Module):
             y = self.expert(expert, x[rows]) * weights.flatten()[order[start:start + count]].unsqueeze(1)
             out.index_add_(0, rows, y)
             start += count
+        if self.shared_expert is not None:
+            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
     def expert(self, index: int, x: torch.Tensor) -> torch.Tensor:

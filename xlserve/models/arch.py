@@ -12,7 +12,7 @@ DIMENSIONS = frozenset({"architecture", "vocab_size", "hidden_size", "intermedia
                         "num_heads", "num_kv_heads", "head_dim", "rms_norm_eps", "rope_theta",
                         "max_position_embeddings", "num_experts_per_tok", "moe_intermediate_size"})
 FEATURES = frozenset({"attention_bias", "qk_norm", "tie_word_embeddings", "rope_scaling", "num_experts",
-                      "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"})
+                      "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size"})
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class ModelArch:
     norm_topk_prob: bool = True  # renormalize the chosen experts' weights to sum to 1
     decoder_sparse_step: int = 1  # every n-th layer is sparse (Qwen MoE's rule)
     mlp_only_layers: tuple = ()  # layers that stay dense
+    shared_expert_intermediate_size: int = 0  # a shared expert every token passes (Qwen2-MoE); 0: none
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -109,7 +110,8 @@ class ModelArch:
                 "tie_word_embeddings": self.tie_word_embeddings, "rope_scaling": bool(self.rope_scaling),
                 "num_experts": moe, "norm_topk_prob": moe and not self.norm_topk_prob,
                 "decoder_sparse_step": moe and self.decoder_sparse_step != 1,
-                "mlp_only_layers": moe and bool(self.mlp_only_layers)}
+                "mlp_only_layers": moe and bool(self.mlp_only_layers),
+                "shared_expert_intermediate_size": moe and self.shared_expert_intermediate_size > 0}
         return frozenset(name for name, on in used.items() if on)
 
 
@@ -122,4 +124,5 @@ def _moe_fields(cfg: dict) -> dict:
             "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
             "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
             "decoder_sparse_step": int(cfg.get("decoder_sparse_step") or 1),
-            "mlp_only_layers": tuple(int(i) for i in cfg.get("mlp_only_layers") or ())}
+            "mlp_only_layers": tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+            "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0)}

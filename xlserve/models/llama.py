@@ -16,6 +16,7 @@ from xlserve.kernels import cpu_ops
 from xlserve.layers.attention import AttentionMetadata, DecodePath, get_attention_backend
 from xlserve.layers.embedding import Embedding
 from xlserve.layers.linear import Linear, MergedLinear, copy_checked, linear
+from xlserve.layers.mlp import MLP
 from xlserve.layers.moe import EXPERT_PARTS, SparseMoE
 from xlserve.layers.norm import RMSNorm
 from xlserve.layers.rotary import RotaryEmbedding
@@ -65,25 +66,13 @@ class Attention(nn.Module):
         return self.o_proj(out) if project_out else out
 
 
-class MLP(nn.Module):
-    def __init__(self, arch: ModelArch):
-        super().__init__()
-        size = arch.intermediate_size
-        self.gate_up_proj = MergedLinear(arch.hidden_size, {"gate": size, "up": size}, bias=False)
-        self.down_proj = Linear(size, arch.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = Attention(arch, rotary, qkv_bias, qk_norm)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = SparseMoE(arch) if arch.sparse_layer(index) else MLP(arch)
+        self.mlp = SparseMoE(arch) if arch.sparse_layer(index) else MLP(arch.hidden_size, arch.intermediate_size)
 
     def forward(self, cos_sin, x, meta):
         if meta.decode_path is DecodePath.FUSED_LAYERS:

@@ -12,6 +12,7 @@ MODEL_REGISTRY = {
     "MistralForCausalLM": ("xlserve.models.llama", "LlamaForCausalLM"),
     "MixtralForCausalLM": ("xlserve.models.llama", "LlamaForCausalLM"),  # MoE layers from the config
     "Qwen2ForCausalLM": ("xlserve.models.qwen", "Qwen2ForCausalLM"),
+    "Qwen2MoeForCausalLM": ("xlserve.models.qwen", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("xlserve.models.qwen", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("xlserve.models.qwen", "Qwen3ForCausalLM"),
 }

@@ -1,0 +1,21 @@
+"""The SwiGLU MLP of Llama-family layers (and of a MoE layer's shared expert): one
+matmul for gate and up, SiLU(gate) * up, then down."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from xlserve.layers.linear import Linear, MergedLinear
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        size = intermediate_size
+        self.gate_up_proj = MergedLinear(hidden_size, {"gate": size, "up": size}, bias=False)
+        self.down_proj = Linear(size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
