@@ -13,13 +13,12 @@ from xlserve.openai.protocol import ChatCompletionRequest
 from xlserve.openai.reasoning import ReasoningStream, reasoning_enabled, starts_inside
 from xlserve.openai.serving_common import (
     WorkerState,
-    as_api_error,
     chat_logprobs,
     chunk_sse,
+    framed_sse,
     new_id,
     now,
     resolve_max_tokens,
-    sse,
 )
 from xlserve.openai.tool_parsers import AUTO, ToolCallStream, detect_tool_parser, get_tool_parser
 
@@ -87,15 +86,16 @@ class ChatHandler:
         required, name = req.forced_tool()
         if required and not parse_tools:
             raise ValueError("tool_choice requires a tool call but no tools were given")
+        constraint = req.constraint()
         candidates = {"a forced tool call": required, "response_format": req.response_format is not None
-                      and req.response_format.type != "text", "structured_outputs": req.constraint() is not None}
+                      and req.response_format.type != "text", "structured_outputs": constraint is not None}
         if sum(candidates.values()) > 1:
             raise ValueError(f"one constraint at a time; got {' and '.join(k for k, v in candidates.items() if v)}")
         if required:
             tools = [t.model_dump(exclude_none=True) for t in req.tools]
             parser = get_tool_parser(self.tool_parser, self.state.tokenizer.special_token_ids)
             return parser.forced_call_grammar(tools, name, bool(req.parallel_tool_calls))
-        return req.response_format.guided() if req.response_format else req.constraint()
+        return req.response_format.guided() if req.response_format else constraint
 
     async def complete(self, req: ChatCompletionRequest, plan: ChatPlan) -> dict:
         run = plan.run
@@ -125,7 +125,7 @@ class ChatHandler:
     async def stream(self, req: ChatCompletionRequest, plan: ChatPlan) -> AsyncIterator[str]:
         """Bad input and a full queue raise here, before any byte is sent."""
         events = await start_choices(self.state.async_engine, plan.run, self.state.metrics)
-        return self._sse(plan, req, events)
+        return framed_sse(self._sse(plan, req, events), events)
 
     async def _sse(self, plan: ChatPlan, req: ChatCompletionRequest, events) -> AsyncIterator[str]:
         run, created, model = plan.run, now(), self.state.model_name
@@ -138,34 +138,28 @@ class ChatHandler:
         for c in run.choices:
             yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
                           "logprobs": None, "finish_reason": None}])
-        try:
-            async for choice, out in events:
-                thought, content, calls = outputs[choice.index].feed(out.new_text, final=out.finished)
-                delta = {"reasoning_content": thought} if thought else {}
-                if content:
-                    delta["content"] = content
-                delta.update(_call_deltas(calls, req.legacy_functions))
-                logprobs = None
-                if req.logprobs and out.outputs[0].logprobs:
-                    logprobs = chat_logprobs(self.state.tokenizer, out.outputs[0].logprobs[-1:])
-                if delta or logprobs:
-                    yield chunk([{"index": choice.index, "delta": delta, "logprobs": logprobs,
-                                  "finish_reason": None}])
-                if out.finished:
-                    finished += 1
-                    tools = outputs[choice.index].tools
-                    reason = finish_reason(out.outputs[0].finish_reason, bool(tools and tools.sent),
-                                           req.legacy_functions)
-                    last = finished == len(run.choices) and not req.include_usage
-                    yield chunk([{"index": choice.index, "delta": {}, "logprobs": None,
-                                  "finish_reason": reason}], run.usage() if last else None)
-            if req.include_usage:
-                yield chunk([], run.usage())
-        except Exception as e:  # noqa: BLE001 - the stream must end with an error event, not hang
-            yield sse(as_api_error(e).body())
-        finally:
-            await events.aclose()
-        yield sse("[DONE]")
+        async for choice, out in events:
+            thought, content, calls = outputs[choice.index].feed(out.new_text, final=out.finished)
+            delta = {"reasoning_content": thought} if thought else {}
+            if content:
+                delta["content"] = content
+            delta.update(_call_deltas(calls, req.legacy_functions))
+            logprobs = None
+            if req.logprobs and out.outputs[0].logprobs:
+                logprobs = chat_logprobs(self.state.tokenizer, out.outputs[0].logprobs[-1:])
+            if delta or logprobs:
+                yield chunk([{"index": choice.index, "delta": delta, "logprobs": logprobs,
+                              "finish_reason": None}])
+            if out.finished:
+                finished += 1
+                tools = outputs[choice.index].tools
+                reason = finish_reason(out.outputs[0].finish_reason, bool(tools and tools.sent),
+                                       req.legacy_functions)
+                last = finished == len(run.choices) and not req.include_usage
+                yield chunk([{"index": choice.index, "delta": {}, "logprobs": None,
+                              "finish_reason": reason}], run.usage() if last else None)
+        if req.include_usage:
+            yield chunk([], run.usage())
 
 
 def finish_reason(engine_reason: str | None, called: bool, legacy: bool) -> str | None:

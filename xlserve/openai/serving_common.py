@@ -8,7 +8,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import TYPE_CHECKING, AsyncIterator, Callable, TypeVar
 
 from xlserve.loader.tokenizer import Tokenizer
 from xlserve.openai.engine_client import EngineBusy, EngineClient, RequestFailed
@@ -76,6 +76,21 @@ def as_api_error(e: Exception) -> ApiError:
     if isinstance(e, RequestFailed):
         return ApiError(500, str(e), code="request_failed")
     return ApiError(500, f"generation failed: {e}")
+
+
+async def framed_sse(body: AsyncIterator[str], events: AsyncIterator,
+                     error_body: Callable[[Exception], dict] = lambda e: as_api_error(e).body()) -> AsyncIterator[str]:
+    """``body``'s SSE lines, ended as every stream here ends: an error event if it fails (a
+    stream never hangs), the engine ``events`` it read closed, then ``[DONE]``."""
+    try:
+        async for line in body:
+            yield line
+    except Exception as e:  # noqa: BLE001 - the stream must end with an error event, not hang
+        yield sse(error_body(e))
+    finally:
+        await body.aclose()
+        await events.aclose()
+    yield sse("[DONE]")
 
 
 def new_id(prefix: str) -> str:

@@ -9,13 +9,12 @@ from xlserve.openai.errors import ApiError
 from xlserve.openai.protocol import CompletionRequest
 from xlserve.openai.serving_common import (
     WorkerState,
-    as_api_error,
     chunk_sse,
     completion_logprobs,
+    framed_sse,
     new_id,
     now,
     resolve_max_tokens,
-    sse,
 )
 
 
@@ -26,11 +25,15 @@ class CompletionHandler:
     def prepare(self, req: CompletionRequest) -> RequestRun:
         self.state.check_model(req.model)
         choices = []
+        try:
+            constraint = req.constraint()
+        except ValueError as e:
+            raise ApiError(400, str(e)) from e
         for p_index, prompt in enumerate(req.prompts()):
             try:
                 ids = self.state.engine.tokenize(prompt)
                 max_tokens = resolve_max_tokens(self.state, len(ids), req.max_tokens)
-                params = [req.sampling_params(max_tokens, req.logprobs, i, req.constraint()) for i in range(req.n)]
+                params = [req.sampling_params(max_tokens, req.logprobs, i, constraint) for i in range(req.n)]
             except ValueError as e:
                 raise ApiError(400, str(e), "prompt") from e
             choices += [ChoiceRun(p_index * req.n + i, ids, p, primary=(i == 0)) for i, p in enumerate(params)]
@@ -58,7 +61,7 @@ class CompletionHandler:
     async def stream(self, req: CompletionRequest, run: RequestRun) -> AsyncIterator[str]:
         """Bad input and a full queue raise here, before any byte is sent."""
         events = await start_choices(self.state.async_engine, run, self.state.metrics)
-        return self._sse(run, req, events)
+        return framed_sse(self._sse(run, req, events), events)
 
     async def _sse(self, run: RequestRun, req: CompletionRequest, events) -> AsyncIterator[str]:
         created, model = now(), self.state.model_name
@@ -68,27 +71,21 @@ class CompletionHandler:
         def chunk(choices: list, usage: dict | None = None) -> str:
             return chunk_sse(run.request_id, "text_completion", created, model, choices, usage)
 
-        try:
-            for c in run.choices:
-                if self._echo(req, c):
-                    text = self._echo(req, c)
-                    offsets[c.index] = len(text)
-                    yield chunk([{"index": c.index, "text": text, "logprobs": None, "finish_reason": None}])
-            async for choice, out in events:
-                logprobs = None
-                if req.logprobs is not None and out.outputs[0].logprobs:
-                    logprobs = completion_logprobs(self.state.tokenizer, out.outputs[0].logprobs[-1:],
-                                                   offsets[choice.index])
-                offsets[choice.index] += len(out.new_text)
-                finished += out.finished
-                last = out.finished and finished == len(run.choices) and not req.include_usage
-                yield chunk([{"index": choice.index, "text": out.new_text, "logprobs": logprobs,
-                              "finish_reason": out.outputs[0].finish_reason if out.finished else None}],
-                            run.usage() if last else None)
-            if req.include_usage:
-                yield chunk([], run.usage())
-        except Exception as e:  # noqa: BLE001 - the stream must end with an error event, not hang
-            yield sse(as_api_error(e).body())
-        finally:
-            await events.aclose()
-        yield sse("[DONE]")
+        for c in run.choices:
+            if self._echo(req, c):
+                text = self._echo(req, c)
+                offsets[c.index] = len(text)
+                yield chunk([{"index": c.index, "text": text, "logprobs": None, "finish_reason": None}])
+        async for choice, out in events:
+            logprobs = None
+            if req.logprobs is not None and out.outputs[0].logprobs:
+                logprobs = completion_logprobs(self.state.tokenizer, out.outputs[0].logprobs[-1:],
+                                               offsets[choice.index])
+            offsets[choice.index] += len(out.new_text)
+            finished += out.finished
+            last = out.finished and finished == len(run.choices) and not req.include_usage
+            yield chunk([{"index": choice.index, "text": out.new_text, "logprobs": logprobs,
+                          "finish_reason": out.outputs[0].finish_reason if out.finished else None}],
+                        run.usage() if last else None)
+        if req.include_usage:
+            yield chunk([], run.usage())

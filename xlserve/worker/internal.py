@@ -32,7 +32,7 @@ from xlserve.openai.choices import ChoiceRun, RequestRun, start_choices
 from xlserve.openai.engine_client import EngineBusy, RequestFailed
 from xlserve.openai.errors import ApiError, error_body
 from xlserve.openai.event_stream import EventStreamResponse
-from xlserve.openai.serving_common import WorkerState, new_id, sse
+from xlserve.openai.serving_common import WorkerState, framed_sse, new_id, sse
 from xlserve.sampling_params import SamplingParams
 from xlserve.transfer.base import TransferError, transport
 from xlserve.worker.messages import (
@@ -150,7 +150,7 @@ def add_internal_routes(app: FastAPI, state: WorkerState, config: ServerConfig, 
                                                                          handoff=handoff)])
         events = await start_choices(state.async_engine, run, state.metrics)
         if req.stream:
-            return EventStreamResponse(_stream(run, events, pulled))
+            return EventStreamResponse(framed_sse(_stream(events, pulled), events, stream_error))
         async for _ in events:
             pass
         out = run.choices[0].final
@@ -190,19 +190,12 @@ def _result(out, pulled: PullReport | None, kv: KVHandle | None) -> GenerateResu
                           cached_tokens=out.cached_tokens, kv_import=pulled, logprobs=completion.logprobs, kv=kv)
 
 
-async def _stream(run: RequestRun, events, pulled):
-    try:
-        async for _, out in events:
-            logprobs = out.outputs[0].logprobs
-            fields = dict(token_ids=out.new_token_ids, text=out.new_text,
-                          logprobs=logprobs[-len(out.new_token_ids):] if logprobs and out.new_token_ids else None)
-            if out.finished:
-                fields |= dict(finish_reason=out.outputs[0].finish_reason, prompt_tokens=len(out.prompt_token_ids),
-                               cached_tokens=out.cached_tokens, kv_import=pulled)
-            yield sse(StreamEvent(**fields).model_dump(mode="json"))
-    except Exception as e:  # noqa: BLE001 - an error event, never a hung stream
-        yield sse(stream_error(e))
-    finally:
-        await events.aclose()
-    yield sse("[DONE]")
-
+async def _stream(events, pulled):
+    async for _, out in events:
+        logprobs = out.outputs[0].logprobs
+        fields = dict(token_ids=out.new_token_ids, text=out.new_text,
+                      logprobs=logprobs[-len(out.new_token_ids):] if logprobs and out.new_token_ids else None)
+        if out.finished:
+            fields |= dict(finish_reason=out.outputs[0].finish_reason, prompt_tokens=len(out.prompt_token_ids),
+                           cached_tokens=out.cached_tokens, kv_import=pulled)
+        yield sse(StreamEvent(**fields).model_dump(mode="json"))
