@@ -25,12 +25,12 @@ def prefill(tiny_llama_dir):
     """A prefill engine holding PROMPT's blocks, its pin, and a KV server in front of it."""
     llm = _llm(tiny_llama_dir)
     llm.generate(PROMPT, SamplingParams(max_tokens=1))
-    grant = llm.engine.pin_kv(llm.engine.prompt_block_hashes(PROMPT), 60)
+    grant = llm.engine.kv.pin(llm.engine.prompt_block_hashes(PROMPT), 60)
     lock = threading.Lock()  # the engine is single-threaded; a worker routes this through its engine thread
 
     def export(pin_id, secret, hashes):
         with lock:
-            return llm.engine.export_pinned_kv(pin_id, secret, hashes)
+            return llm.engine.kv.export_pinned(pin_id, secret, hashes)
     server = tcp.TCPTransportServer(export)
     address = server.start()
     handle = {**address, "pin_id": grant.pin_id, "secret": grant.secret,
@@ -45,7 +45,7 @@ def test_pull_over_tcp_gives_identical_output(tiny_llama_dir, prefill):
     expected = _llm(tiny_llama_dir).generate(PROMPT, GREEDY)[0].outputs[0].token_ids
     payload = tcp.TCPTransportClient().pull(handle, 10, decode.engine.kv.layout)
     assert len(payload.block_hashes) == 4
-    assert decode.engine.import_kv(payload) == 4
+    assert decode.engine.kv.import_blocks(payload) == 4
     out = decode.generate(PROMPT, GREEDY)[0]
     assert out.cached_tokens == 64 and out.outputs[0].token_ids == expected
 

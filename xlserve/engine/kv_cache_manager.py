@@ -44,6 +44,7 @@ class KVCacheManager:
         return self._by_hash.layout
 
     def export(self, hashes: list[BlockHash]) -> KVPayload:
+        """The cached prefix of ``hashes``; local use (a peer reads through ``export_pinned``)."""
         return self._by_hash.export(hashes)
 
     def export_pinned(self, pin_id: str, secret: str, hashes: list[BlockHash]) -> KVPayload:

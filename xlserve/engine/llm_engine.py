@@ -17,7 +17,7 @@ from xlserve.config import EngineConfig
 from xlserve.engine.detokenizer import Detokenizer
 from xlserve.engine.errors import FATAL_ERRORS, describe
 from xlserve.engine.guided import GuidedDecoding
-from xlserve.engine.kv_blocks import DTYPE_NAMES, KVLayout, KVPayload, PinGrant
+from xlserve.engine.kv_blocks import DTYPE_NAMES, KVLayout
 from xlserve.engine.model_runner import ModelRunner, RunnerOutput
 from xlserve.engine.outputs import CompletionOutput, RequestOutput
 from xlserve.engine.request import FinishReason, HandOff, Request
@@ -222,22 +222,6 @@ class LLMEngine:
     # -- KV blocks by hash (disaggregation, tiers) ---------------------------------
     def prompt_block_hashes(self, prompt_ids: Sequence[int]) -> list[BlockHash]:
         return block_hashes(list(prompt_ids), self.block_size, self.extra_key)
-
-    def export_kv(self, hashes: list[BlockHash]) -> KVPayload:
-        """The cached prefix of ``hashes``; local use (a peer reads through ``export_pinned_kv``)."""
-        return self.kv.export(hashes)
-
-    def export_pinned_kv(self, pin_id: str, secret: str, hashes: list[BlockHash]) -> KVPayload:
-        return self.kv.export_pinned(pin_id, secret, hashes)
-
-    def import_kv(self, payload: KVPayload) -> int:
-        return self.kv.import_blocks(payload)
-
-    def pin_kv(self, hashes: list[BlockHash], seconds: float) -> PinGrant:
-        return self.kv.pin(hashes, seconds)
-
-    def unpin_kv(self, pin_id: str) -> bool:
-        return self.kv.unpin(pin_id)
 
     def kv_events(self, since: int, epoch: str) -> dict:
         return self.kv.events_since(since, epoch)

@@ -61,7 +61,7 @@ class Disaggregation:
             engine = state.async_engine
 
             def export(pin_id, secret, hashes):
-                return engine.call_blocking(lambda e, *args: e.export_pinned_kv(*args), pin_id, secret, hashes)
+                return engine.call_blocking(lambda e, *args: e.kv.export_pinned(*args), pin_id, secret, hashes)
             self.server = server_cls(export, config.kv_host, config.kv_port)
             self.address = self.server.start()
 
@@ -89,7 +89,7 @@ class Disaggregation:
             self._check_handle(handle, await asyncio.to_thread(engine.prompt_block_hashes, prompt_ids))
             payload = await asyncio.to_thread(self.client.pull, handle.model_dump(), self.config.kv_pull_timeout,
                                               engine.kv.layout)
-            blocks = await self.state.async_engine.call(lambda e, p: e.import_kv(p), payload)
+            blocks = await self.state.async_engine.call(lambda e, p: e.kv.import_blocks(p), payload)
             return PullReport(blocks=blocks, bytes=len(payload.data), seconds=time.monotonic() - start)
         except (TransferError, ValueError) as e:
             if policy == "fail":
@@ -102,7 +102,7 @@ class Disaggregation:
         engine = self.state.async_engine
 
         def pin(e, ids):
-            return e.pin_kv(e.prompt_block_hashes(ids), self.config.kv_pin_seconds)
+            return e.kv.pin(e.prompt_block_hashes(ids), self.config.kv_pin_seconds)
         grant = await engine.call(pin, prompt_ids)
         return KVHandle(**self.address, pin_id=grant.pin_id, secret=grant.secret,
                         block_hashes=[h.hex() for h in grant.block_hashes])
@@ -134,7 +134,7 @@ def add_internal_routes(app: FastAPI, state: WorkerState, config: ServerConfig, 
     @app.post("/internal/kv/release", dependencies=api)
     async def release(request: Request):
         req = await read_json(request, KVRelease, config.max_body_bytes)
-        return {"released": await state.async_engine.call(lambda e, p: e.unpin_kv(p), req.pin_id)}
+        return {"released": await state.async_engine.call(lambda e, p: e.kv.unpin(p), req.pin_id)}
 
     @app.post("/internal/generate", dependencies=api)
     async def generate(request: Request):
