@@ -48,7 +48,8 @@ def _setup_logging(level: str = "info") -> None:
 
 
 def _preflight(args, model: str) -> None:
-    """What can be known wrong before anything loads, reported once (see ``xlserve.preflight``)."""
+    """What can be known wrong before anything loads, reported once (see ``xlserve.preflight``);
+    then SIGHUP is made to stop the server as SIGTERM does."""
     from xlserve.loader.chat_template import read_chat_template
     from xlserve.preflight import check_model, check_port
     from xlserve.supervisor import stop_on_hangup

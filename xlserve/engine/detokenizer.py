@@ -8,6 +8,7 @@ string that may still complete, so a stop string never leaks into the output.
 from __future__ import annotations
 
 from xlserve.loader.tokenizer import Tokenizer
+from xlserve.markers import pending_marker_length
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -50,7 +51,7 @@ class Detokenizer:
                 final = True
         end = len(self.text)
         if not final and self.stop and not self.stopped:
-            end = max(self.emitted, end - self._pending_stop_prefix())
+            end = max(self.emitted, end - pending_marker_length(self.text, self.stop))
         out = self.text[self.emitted:end]
         self.emitted = end
         return out
@@ -62,16 +63,6 @@ class Detokenizer:
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, stop)
         return best
-
-    def _pending_stop_prefix(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
-        longest = 0
-        for stop in self.stop:
-            for k in range(min(len(stop) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(stop[:k]):
-                    longest = k
-                    break
-        return longest
 
     def flush(self) -> str:
         return self._release(final=True)

@@ -16,6 +16,7 @@ import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from xlserve.markers import pending_marker_length
 from xlserve.sampling_params import GuidedSpec
 
 COMPACT_JSON = {"whitespace_flexible": False}  # no whitespace for a model to pad with until max_tokens
@@ -175,17 +176,6 @@ def lark_literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest tail of ``text`` that starts ``marker`` (held back: it may
-    be the start of the marker)."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
-
-
 def held_back(text: str, markers: tuple[str, ...], final: bool) -> str:
     """``text`` without a tail that may still become one of ``markers``."""
-    if final:
-        return text
-    return text[: len(text) - max((partial_suffix(text, m) for m in markers), default=0)]
+    return text if final else text[: len(text) - pending_marker_length(text, markers)]
