@@ -85,16 +85,18 @@ class ModelRunner:
             return first * self.block_size
         return None
 
-    def plan(self, scheduled: list[ScheduledRequest]) -> DecodePath:
-        """The path of this step's forward, decided once (see ``engine/decode_plan.py``)."""
+    def plan(self, scheduled: list[ScheduledRequest], cpu_kernels: bool) -> DecodePath:
+        """The path of this step's forward, decided once (see ``engine/decode_plan.py``);
+        ``cpu_kernels``: ``_kernels_apply()`` for this step."""
         decode_only = all(len(s.token_ids) == 1 for s in scheduled)
         rows = len(scheduled)
         one_call = getattr(self.model, "one_call_fits", None)
-        step = StepShape(decode_only, rows, graph_fits=self._graph_fits(scheduled), cpu_kernels=self._kernels_apply(),
+        step = StepShape(decode_only, rows, graph_fits=self._graph_fits(scheduled), cpu_kernels=cpu_kernels,
                          one_call_fits=decode_only and one_call is not None and one_call(rows))
         return plan_decode(step, self.features, cpu_ops.MAX_ROWS)
 
-    def _build_metadata(self, scheduled: list[ScheduledRequest], path: DecodePath) -> AttentionMetadata:
+    def _build_metadata(self, scheduled: list[ScheduledRequest], path: DecodePath,
+                        cpu_kernels: bool) -> AttentionMetadata:
         slot_parts, decode, prefills = [], [], []
         row = 0
         for s in scheduled:
@@ -111,7 +113,7 @@ class ModelRunner:
                                              self._contiguous_start(s.block_ids, start)))
             row += n
         meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), prefills=prefills,
-                                 cpu_kernels=self._kernels_apply(), decode_path=path)
+                                 cpu_kernels=cpu_kernels, decode_path=path)
         if decode:
             self._decode_metadata(meta, decode)
         # rows in batch order: decode rows carry one slot each, at their place among the chunks
@@ -149,7 +151,8 @@ class ModelRunner:
             self.matchers.pop(request_id, None)
         if not output.scheduled:
             return RunnerOutput()
-        path = self.plan(output.scheduled)
+        cpu_kernels = self._kernels_apply()
+        path = self.plan(output.scheduled, cpu_kernels)
         if path is DecodePath.CUDA_GRAPH:
             scheduled = output.scheduled
             logits = self.graphs.logits([s.token_ids[0] for s in scheduled], [s.start_position for s in scheduled],
@@ -160,7 +163,7 @@ class ModelRunner:
             ids.extend(s.token_ids)
             positions.extend(range(s.start_position, s.start_position + len(s.token_ids)))
             last_rows.append(len(ids) - 1)
-        meta = self._build_metadata(output.scheduled, path)
+        meta = self._build_metadata(output.scheduled, path, cpu_kernels)
         hidden = self.model(torch.tensor(ids, device=self.device),
                             torch.tensor(positions, device=self.device), meta)
         sampling = [(s, r) for s, r in zip(output.scheduled, last_rows) if s.sample]
