@@ -10,6 +10,7 @@ TINY_COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hi
 
 def _tiny_configs():
     from transformers import (
+        DeepseekV3Config,
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
@@ -32,6 +33,15 @@ def _tiny_configs():
         "qwen3_moe": Qwen3MoeConfig(**TINY_COMMON, head_dim=32, num_experts=4, num_experts_per_tok=2,
                                     moe_intermediate_size=32, norm_topk_prob=False, decoder_sparse_step=1,
                                     mlp_only_layers=[1], use_sliding_window=False),
+        # MLA with a low-rank query, YaRN, 8 experts in 4 groups (2 kept), a shared expert, a dense first layer
+        "deepseek_v3": DeepseekV3Config(**{**TINY_COMMON, "num_hidden_layers": 3, "num_key_value_heads": 4},
+                                        moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+                                        num_experts_per_tok=3, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                        first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48,
+                                        qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=24,
+                                        rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale": 0.8,
+                                                      "mscale_all_dim": 1.0, "original_max_position_embeddings": 128,
+                                                      "beta_fast": 32, "beta_slow": 1}),
     }
 
 
@@ -48,6 +58,9 @@ def tiny_model_dirs(tmp_path_factory):
             for p in model.parameters():
                 if p.dim() == 2:
                     p.mul_(4.0)
+            for buffer_name, b in model.named_buffers():
+                if buffer_name.endswith("e_score_correction_bias"):  # zero at init: make the bias choose
+                    b.normal_(0.0, 0.3)
         path = tmp_path_factory.mktemp(name)
         model.save_pretrained(path, safe_serialization=True)
         dirs[name] = str(path)

@@ -5,7 +5,7 @@ import torch
 
 from xlserve import LLM, SamplingParams
 
-ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
+ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"]
 
 
 def _hf_model(path):
@@ -61,3 +61,31 @@ def test_experts_run_once_per_step_over_all_their_tokens(tiny_model_dirs, monkey
     _xl_logits(llm, list(range(3, 43)))
     assert len(calls) <= 2 * 4  # two sparse layers, four experts
     assert sum(rows for _, rows in calls) == 2 * 40 * 2  # every token reaches its two experts, in each layer
+
+
+def _hf_greedy(hf, prompt, n):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_greedy_matches_with_prefix_hits_chunked_prefill_and_mixed_batches(tiny_model_dirs, arch):
+    """Prompts of mixed lengths sharing a 40-token prefix, batched, prefilled in chunks of at
+    most 24 tokens, then asked again (prefix-cache hits): every answer equals transformers'."""
+    path = tiny_model_dirs[arch]
+    gen = torch.Generator().manual_seed(3)
+    shared = torch.randint(3, 320, (40,), generator=gen).tolist()
+    prompts = [shared + torch.randint(3, 320, (n,), generator=gen).tolist() for n in (1, 9, 30)] + [shared[:7]]
+    hf = _hf_model(path)
+    expected = [_hf_greedy(hf, p, 12) for p in prompts]
+    llm = LLM(path, dtype="float32", kv_cache_tokens=1024, block_size=8, max_num_batched_tokens=24)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    hits_before = llm.engine.kv.stats.hit_tokens
+    again = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert llm.engine.kv.stats.hit_tokens - hits_before >= 3 * 40  # the shared prefix came from the cache
+    assert first == expected
+    assert again == expected

@@ -57,9 +57,9 @@ class XlserveSystem(System):
         cfg = EngineConfig.from_kwargs(model=model, dtype=dtype, device=device, kv_cache_tokens=kv_tokens,
                                        max_num_batched_tokens=budget, max_num_seqs=64, **engine_options)
         self.engine = LLMEngine(cfg)
-        for k, v in self.engine.runner.kv_caches:  # fault the pool in: RSS then counts all of it
-            k.zero_()
-            v.zero_()
+        for layer in self.engine.runner.kv_caches:  # fault the pool in: RSS then counts all of it
+            for part in layer:
+                part.zero_()
         self._ids = 0
 
     def _params(self, n: int):

@@ -32,18 +32,21 @@ MAX_PIN_SECONDS = 600.0
 
 @dataclass(frozen=True)
 class KVLayout:
-    """What a block's bytes mean; two engines exchange blocks only if their layouts match."""
+    """What a block's bytes mean; two engines exchange blocks only if their layouts match.
+    Each layer keeps ``parts`` tensors of [num_kv_heads, head_dim] per token
+    (``ModelArch.kv_cache_spec``: K and V; or one MLA latent entry)."""
     num_layers: int
     block_size: int
     num_kv_heads: int
     head_dim: int
     dtype: str
     model_key: str  # hex of the engine's extra key (model + dtype)
+    parts: int = 2
 
     @property
     def block_bytes(self) -> int:
         itemsize = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        return self.num_layers * self.parts * self.block_size * self.num_kv_heads * self.head_dim * itemsize
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -53,7 +56,7 @@ class KVLayout:
 class KVPayload:
     layout: KVLayout
     block_hashes: list[BlockHash]
-    data: bytes  # [blocks, layers, 2, block_size, kv_heads, head_dim] in layout.dtype
+    data: bytes  # [blocks, layers, parts, block_size, kv_heads, head_dim] in layout.dtype
 
     def __repr__(self) -> str:
         return f"KVPayload({len(self.block_hashes)} blocks, {len(self.data)} bytes, {self.layout})"
@@ -82,13 +85,13 @@ class PinGrant:
 @dataclass
 class KVBlockStore:
     pool: BlockPool
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    kv_caches: list[tuple[torch.Tensor, ...]]
     layout: KVLayout
     pins: dict[str, Pin] = field(default_factory=dict)
 
     def _views(self):
         bs, hk, d = self.layout.block_size, self.layout.num_kv_heads, self.layout.head_dim
-        return [(k.view(-1, bs, hk, d), v.view(-1, bs, hk, d)) for k, v in self.kv_caches]
+        return [tuple(part.view(-1, bs, hk, d) for part in layer) for layer in self.kv_caches]
 
     def cached_prefix(self, hashes: list[BlockHash]) -> list[KVBlock]:
         blocks = []
@@ -119,8 +122,8 @@ class KVBlockStore:
         if not blocks:
             return KVPayload(self.layout, [], b"")
         ids = torch.tensor([b.block_id for b in blocks], device=self.kv_caches[0][0].device)
-        parts = [torch.stack((k[ids], v[ids]), dim=1) for k, v in self._views()]  # each [n, 2, bs, hk, d]
-        data = torch.stack(parts, dim=1).contiguous().cpu()  # [n, layers, 2, bs, hk, d]
+        layers = [torch.stack([part[ids] for part in layer], dim=1) for layer in self._views()]  # [n, parts, ...]
+        data = torch.stack(layers, dim=1).contiguous().cpu()  # [n, layers, parts, bs, hk, d]
         raw = data.view(torch.int16) if data.dtype in (torch.bfloat16, torch.float16) else data
         return KVPayload(self.layout, [b.block_hash for b in blocks], raw.numpy().tobytes())
 
@@ -132,7 +135,8 @@ class KVBlockStore:
         views = self._views()
         dtype = DTYPES[self.layout.dtype]
         block_bytes = self.layout.block_bytes
-        shape = (self.layout.num_layers, 2, self.layout.block_size, self.layout.num_kv_heads, self.layout.head_dim)
+        shape = (self.layout.num_layers, self.layout.parts, self.layout.block_size, self.layout.num_kv_heads,
+                 self.layout.head_dim)
         held: list[KVBlock] = []  # referenced until the end, so a later block never evicts an earlier one
         imported = 0
         for i, block_hash in enumerate(payload.block_hashes):
@@ -145,9 +149,9 @@ class KVBlockStore:
                 block = self.pool.allocate(1)[0]
                 raw = np.frombuffer(payload.data, dtype=np.uint8, count=block_bytes, offset=i * block_bytes)
                 data = torch.from_numpy(raw.copy()).view(dtype).view(shape)
-                for layer, (k, v) in enumerate(views):
-                    k[block.block_id].copy_(data[layer, 0])
-                    v[block.block_id].copy_(data[layer, 1])
+                for layer, parts in enumerate(views):
+                    for index, part in enumerate(parts):
+                        part[block.block_id].copy_(data[layer, index])
                 self.pool.cache_block(block, block_hash)
             held.append(block)
             imported = i + 1

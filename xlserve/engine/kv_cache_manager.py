@@ -35,7 +35,7 @@ class KVCacheManager:
         self._by_hash: KVBlockStore | None = None
 
     # -- blocks by hash (disaggregation, tiers) ---------------------------------------
-    def attach(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layout: KVLayout) -> None:
+    def attach(self, kv_caches: list[tuple[torch.Tensor, ...]], layout: KVLayout) -> None:
         """The tensors behind the pool's blocks (the model runner allocates them)."""
         self._by_hash = KVBlockStore(self.pool, kv_caches, layout)
 

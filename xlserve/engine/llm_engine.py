@@ -51,9 +51,10 @@ class LLMEngine:
             f"{self.loaded.source.path}|{self.loaded.dtype}".encode(), digest_size=8).digest()
         self.model_name = config.model.served_model_name or self.loaded.source.name
         self.kv = self.scheduler.kv  # the pool's one owner; the engine goes through it
+        spec = arch.kv_cache_spec
         self.kv.attach(self.runner.kv_caches, KVLayout(
-            arch.num_layers, self.block_size, arch.num_kv_heads, arch.head_dim,
-            DTYPE_NAMES[self.loaded.dtype], self.extra_key.hex()))
+            arch.num_layers, self.block_size, spec.heads, spec.dim, DTYPE_NAMES[self.loaded.dtype],
+            self.extra_key.hex(), spec.parts))
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else set()
         self._detokenizers: dict[str, Detokenizer | None] = {}
         self.num_steps = 0

@@ -45,14 +45,14 @@ class ModelRunner:
         num_slots = num_blocks * block_size
         # one more block than the pool hands out: the scratch block that padding rows of a
         # CUDA graph write to
-        shape = (num_slots + block_size, arch.num_kv_heads, arch.head_dim)
+        spec = self.kv_spec = arch.kv_cache_spec
+        shape = (num_slots + block_size, spec.heads, spec.dim)
         # torch.empty: pages of an untouched pool are never faulted in on the CPU.
-        self.kv_caches = [(torch.empty(shape, dtype=loaded.dtype, device=self.device),
-                           torch.empty(shape, dtype=loaded.dtype, device=self.device))
+        self.kv_caches = [tuple(torch.empty(shape, dtype=loaded.dtype, device=self.device) for _ in range(spec.parts))
                           for _ in range(arch.num_layers)]
         self.model.bind_kv_cache(self.kv_caches)
-        self.kv_bytes = 2 * arch.num_layers * num_slots * arch.num_kv_heads * arch.head_dim * \
-            torch.empty((), dtype=loaded.dtype).element_size()
+        itemsize = torch.empty((), dtype=loaded.dtype).element_size()
+        self.kv_bytes = num_slots * spec.bytes_per_token(arch.num_layers, itemsize)
         self.fused_shapes = cpu_ops.supports_shape(arch.num_heads, arch.num_kv_heads, arch.head_dim)
         # a model that does not say which features it uses may use all of them: no fast CPU path
         self.features = getattr(self.model, "features", FEATURES)

@@ -1,6 +1,6 @@
-"""A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a softmax router picks
-the top-k experts of each token, each expert is a SwiGLU MLP, and a shared expert (Qwen2-MoE),
-scaled by its own sigmoid gate, sees every token.
+"""A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 / Kimi K2): a
+router picks the top-k experts of each token, each expert is a SwiGLU MLP, and a shared
+expert (Qwen2-MoE: scaled by its own sigmoid gate; DeepSeek: added as is) sees every token.
 
 Tokens are grouped by expert (sorted once per step) and each active expert runs one
 matmul over all of its tokens — never a Python loop over tokens.
@@ -13,26 +13,71 @@ from torch import nn
 
 from xlserve.layers.linear import Linear, copy_checked
 from xlserve.layers.mlp import MLP
-from xlserve.models.arch import ModelArch
+from xlserve.models.arch import ModelArch, Router
 
 # checkpoint expert projection -> (our stacked weight, part): Mixtral's w1/w3/w2, Qwen's names
 EXPERT_PARTS = {"w1": ("w_gate_up", "gate"), "w3": ("w_gate_up", "up"), "w2": ("w_down", "down"),
                 "gate_proj": ("w_gate_up", "gate"), "up_proj": ("w_gate_up", "up"), "down_proj": ("w_down", "down")}
 
 
+class ExpertRouter(nn.Module):
+    """Picks each token's ``top_k`` experts and their weights (the checkpoint's ``mlp.gate``).
+
+    Softmax top-k (Mixtral, Qwen): softmax over all experts in float32, the k largest,
+    renormalized where the model says so. Sigmoid grouped (DeepSeek-V3, ``noaux_tc``):
+    sigmoid scores; the choice adds ``e_score_correction_bias``, keeps the ``topk_group``
+    groups whose two best experts score highest, and takes the k best in them; the weights
+    are the unbiased scores, renormalized, times ``routed_scaling_factor``. DeepSeek keeps
+    this layer in float32 whatever the model's dtype (``keeps_float32``), as its reference does.
+    """
+
+    def __init__(self, arch: ModelArch):
+        super().__init__()
+        self.kind, self.top_k, self.normalize = arch.router, arch.num_experts_per_tok, arch.norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(arch.num_experts, arch.hidden_size), requires_grad=False)
+        self.keeps_float32 = arch.router is Router.SIGMOID_GROUPED
+        if self.keeps_float32:
+            self.e_score_correction_bias = nn.Parameter(torch.empty(arch.num_experts), requires_grad=False)
+            self.n_group, self.topk_group, self.scale = arch.n_group, arch.topk_group, arch.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], experts [T, k]); weights in x's dtype (softmax) or float32 (sigmoid),
+        as the reference implementations round them."""
+        if self.kind is Router.SIGMOID_GROUPED:
+            return self._sigmoid_grouped(x)
+        probs = torch.softmax(nn.functional.linear(x, self.weight).float(), dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+    def _sigmoid_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = nn.functional.linear(x.float(), self.weight.float()).sigmoid()
+        biased = scores + self.e_score_correction_bias
+        groups = biased.view(len(x), self.n_group, -1)
+        group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)
+        kept = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, 1)
+        biased = biased.masked_fill(~kept.bool().unsqueeze(-1).expand_as(groups).reshape_as(biased), float("-inf"))
+        experts = biased.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if self.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scale, experts
+
+
 class SparseMoE(nn.Module):
     def __init__(self, arch: ModelArch):
         super().__init__()
         self.num_experts, self.top_k = arch.num_experts, arch.num_experts_per_tok
-        self.normalize = arch.norm_topk_prob
         size, hidden = arch.moe_intermediate_size, arch.hidden_size
-        self.gate = Linear(hidden, arch.num_experts, bias=False)  # the router
+        self.gate = ExpertRouter(arch)
         self.w_gate_up = nn.Parameter(torch.empty(arch.num_experts, 2 * size, hidden), requires_grad=False)
         self.w_down = nn.Parameter(torch.empty(arch.num_experts, hidden, size), requires_grad=False)
         self.shared_expert = self.shared_expert_gate = None
         if arch.shared_expert_intermediate_size:
             self.shared_expert = MLP(hidden, arch.shared_expert_intermediate_size)
-            self.shared_expert_gate = Linear(hidden, 1, bias=False)
+            if arch.shared_expert_gated:
+                self.shared_expert_gate = Linear(hidden, 1, bias=False)
 
     def load_expert(self, expert: int, part: str, loaded: torch.Tensor) -> None:
         """One expert's projection from the checkpoint into the stacked weights."""
@@ -47,17 +92,8 @@ class SparseMoE(nn.Module):
         return {(f"{prefix}.{name}", (e, part)) for name, names in parts.items() for part in names
                 for e in range(self.num_experts)}
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] in x's dtype, experts [T, k]): softmax over all experts in float32,
-        the top k, renormalized to sum to 1 where the model says so."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)
-        if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), experts
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = self.route(x)
+        weights, experts = self.gate(x)
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # token slots grouped by expert
         tokens = order // self.top_k
@@ -69,10 +105,12 @@ class SparseMoE(nn.Module):
                 continue
             rows = tokens[start:start + count]
             y = self.expert(expert, x[rows]) * weights.flatten()[order[start:start + count]].unsqueeze(1)
-            out.index_add_(0, rows, y)
+            out.index_add_(0, rows, y.to(x.dtype))
             start += count
-        if self.shared_expert is not None:
+        if self.shared_expert_gate is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.shared_expert is not None:
+            out += self.shared_expert(x)
         return out
 
     def expert(self, index: int, x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,6 @@
-"""Rotary position embedding (rotate-half layout) with a precomputed cos/sin table."""
+"""Rotary position embedding with a precomputed cos/sin table: the rotate-half layout
+(Llama) or interleaved pairs (DeepSeek's ``rope_interleave``), and the scaling rules of
+long-context checkpoints (linear, Llama 3, YaRN)."""
 
 from __future__ import annotations
 
@@ -23,19 +25,55 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         inv = torch.where(medium, smoothed, scaled)
+    elif kind == "yarn":
+        inv = _yarn_inv_freq(inv, head_dim, theta, scaling)
     return inv
 
 
+def _yarn_inv_freq(inv: torch.Tensor, dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN: high frequencies kept, low ones interpolated by ``factor``, a linear ramp between
+    the dimensions that turn ``beta_fast`` and ``beta_slow`` times over the original context."""
+    factor, old_len = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+
+    def turning_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = turning_dim(scaling.get("beta_fast") or 32), turning_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    return inv / factor * ramp + inv * (1 - ramp)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def attention_factor(scaling: dict) -> float:
+    """What YaRN multiplies cos and sin by (1 for the other rules)."""
+    if scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, all_dim = float(scaling["factor"]), scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim)
+    return yarn_mscale(factor)
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict, interleave: bool = False):
         super().__init__()
+        self.interleave = interleave
         # Built on the CPU explicitly (the model may be constructed on the meta device)
         # and moved to the activations' device on first use.
         with torch.device("cpu"):
             inv = _inv_freq(head_dim, theta, scaling)
             freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
             emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos(), emb.sin()
+        gain = attention_factor(scaling)
+        self.cos, self.sin = emb.cos() * gain, emb.sin() * gain
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -50,5 +88,16 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hkv, D]; cos_sin from ``cos_sin(positions)``."""
+        if self.interleave:
+            return self._rotate_pairs(cos_sin, q), self._rotate_pairs(cos_sin, k)
         cos, sin = (t.unsqueeze(1) for t in cos_sin)
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+
+    @staticmethod
+    def _rotate_pairs(cos_sin, x: torch.Tensor) -> torch.Tensor:
+        """Pairs (x0, x1), (x2, x3)... each turned by one frequency; the result holds the turned
+        evens then the turned odds (queries and keys alike, so their products are unchanged)."""
+        half = x.shape[-1] // 2
+        cos, sin = (t[:, :half].unsqueeze(1) for t in cos_sin)
+        even, odd = x[..., 0::2], x[..., 1::2]
+        return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)

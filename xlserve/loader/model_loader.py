@@ -68,6 +68,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
     model_class(arch.architecture)  # refuse unsupported architectures before reading weights
     with torch.device("meta"):
         model = build_model(arch).to(dtype)  # free on meta; the storage is allocated once, in dtype
+        for module in model.modules():
+            if getattr(module, "keeps_float32", False):  # e.g. DeepSeek's router, float32 in its reference
+                module.float()
     materialize(model, device)
     if arch.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

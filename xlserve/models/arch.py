@@ -2,17 +2,41 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Every ModelArch field is one or the other (a test checks): sizes and constants, which the
 # fast paths check as shapes, and features, which change what a layer computes and which
 # each decode path declares it implements or not (engine/decode_plan.py).
 DIMENSIONS = frozenset({"architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
                         "num_heads", "num_kv_heads", "head_dim", "rms_norm_eps", "rope_theta",
-                        "max_position_embeddings", "num_experts_per_tok", "moe_intermediate_size"})
+                        "max_position_embeddings", "num_experts_per_tok", "moe_intermediate_size",
+                "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group", "routed_scaling_factor"})
 FEATURES = frozenset({"attention_bias", "qk_norm", "tie_word_embeddings", "rope_scaling", "num_experts",
-                      "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size"})
+                      "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size",
+                      "shared_expert_gated", "router", "kv_lora_rank", "q_lora_rank", "rope_interleave"})
+
+
+class Router(str, enum.Enum):
+    """How a MoE layer picks a token's experts."""
+    SOFTMAX_TOPK = "softmax_topk"  # Mixtral, Qwen MoE: softmax over experts, the k largest
+    # DeepSeek-V3 / Kimi K2: sigmoid scores; the choice (not the weights) adds a per-expert
+    # bias and first keeps the best groups of experts
+    SIGMOID_GROUPED = "sigmoid_grouped"
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What the KV cache keeps per token and layer: ``parts`` tensors of [heads, dim] each
+    (K and V: 2 of [kv_heads, head_dim]; MLA's compressed latent with the rotary key
+    appended: 1 of [1, kv_lora_rank + rope_dim])."""
+    parts: int
+    heads: int
+    dim: int
+
+    def bytes_per_token(self, num_layers: int, itemsize: int) -> int:
+        return num_layers * self.parts * self.heads * self.dim * itemsize
 
 
 @dataclass(frozen=True)
@@ -39,7 +63,19 @@ class ModelArch:
     norm_topk_prob: bool = True  # renormalize the chosen experts' weights to sum to 1
     decoder_sparse_step: int = 1  # every n-th layer is sparse (Qwen MoE's rule)
     mlp_only_layers: tuple = ()  # layers that stay dense
-    shared_expert_intermediate_size: int = 0  # a shared expert every token passes (Qwen2-MoE); 0: none
+    shared_expert_intermediate_size: int = 0  # a shared expert every token passes; 0: none
+    shared_expert_gated: bool = True  # scaled by a sigmoid gate (Qwen2-MoE), not plainly added (DeepSeek)
+    router: Router = Router.SOFTMAX_TOPK
+    n_group: int = 1  # SIGMOID_GROUPED: experts fall in n_group groups, the topk_group best are kept
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # the routed experts' sum is scaled by this
+    # multi-head latent attention (DeepSeek-V2/V3, Kimi K2); kv_lora_rank 0: ordinary attention.
+    # head_dim is then the rotary part of a query/key head (qk_rope_head_dim).
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # queries through a low-rank projection and norm; 0: one projection
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # rotary pairs are (x0, x1), (x2, x3)... instead of two halves
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -54,6 +90,12 @@ class ModelArch:
             raise ValueError(f"model config: {self.num_experts} experts need 1..{self.num_experts} experts per "
                              f"token (got {self.num_experts_per_tok}), a positive moe_intermediate_size and "
                              "decoder_sparse_step")
+        if self.router is Router.SIGMOID_GROUPED and (self.num_experts % self.n_group
+                                                      or not 0 < self.topk_group <= self.n_group):
+            raise ValueError(f"model config: {self.num_experts} experts do not split into n_group={self.n_group} "
+                             f"groups of which topk_group={self.topk_group} are kept")
+        if self.kv_lora_rank and not (self.qk_nope_head_dim > 0 and self.v_head_dim > 0):
+            raise ValueError("model config: latent attention needs positive qk_nope_head_dim and v_head_dim")
         rope_type = self.rope_scaling_dict.get("rope_type", "default")
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"rope scaling {rope_type!r} is not supported; supported: {ROPE_TYPES}")
@@ -75,6 +117,7 @@ class ModelArch:
             scaling["rope_type"] = scaling.pop("type")
         rope_theta = cfg.get("rope_theta", scaling.pop("rope_theta", 10000.0))
         max_positions = int(cfg.get("max_position_embeddings", 4096))
+        mla = _mla_fields(cfg)
         window = cfg.get("sliding_window")
         if window and cfg.get("use_sliding_window", True):
             # Full attention equals sliding-window attention up to the window: serve that far.
@@ -87,15 +130,21 @@ class ModelArch:
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            head_dim=int(cfg["qk_rope_head_dim"] if mla else cfg.get("head_dim") or hidden // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             rope_scaling=tuple(sorted(scaling.items())),
-            **_moe_fields(cfg),
+            **_moe_fields(cfg), **mla,
         )
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        if self.kv_lora_rank:
+            return KVCacheSpec(1, 1, self.kv_lora_rank + self.head_dim)
+        return KVCacheSpec(2, self.num_kv_heads, self.head_dim)
 
     def sparse_layer(self, index: int) -> bool:
         """Layer ``index`` routes to experts (else it has a dense MLP)."""
@@ -111,18 +160,44 @@ class ModelArch:
                 "num_experts": moe, "norm_topk_prob": moe and not self.norm_topk_prob,
                 "decoder_sparse_step": moe and self.decoder_sparse_step != 1,
                 "mlp_only_layers": moe and bool(self.mlp_only_layers),
-                "shared_expert_intermediate_size": moe and self.shared_expert_intermediate_size > 0}
+                "shared_expert_intermediate_size": moe and self.shared_expert_intermediate_size > 0,
+                "shared_expert_gated": moe and self.shared_expert_intermediate_size > 0 and self.shared_expert_gated,
+                "router": moe and self.router is not Router.SOFTMAX_TOPK, "kv_lora_rank": self.kv_lora_rank > 0,
+                "q_lora_rank": self.q_lora_rank > 0, "rope_interleave": self.rope_interleave}
         return frozenset(name for name, on in used.items() if on)
 
 
 def _moe_fields(cfg: dict) -> dict:
-    """Mixtral names its experts ``num_local_experts``, Qwen MoE ``num_experts``."""
-    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    """Mixtral names its experts ``num_local_experts``, Qwen MoE ``num_experts``, DeepSeek
+    ``n_routed_experts`` (with ``first_k_dense_replace`` dense layers first and
+    ``n_shared_experts`` of ``moe_intermediate_size`` added ungated)."""
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
     if not experts:
         return {}
-    return {"num_experts": experts, "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 2)),
-            "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
-            "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
-            "decoder_sparse_step": int(cfg.get("decoder_sparse_step") or 1),
-            "mlp_only_layers": tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
-            "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0)}
+    size = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+    fields = {"num_experts": experts, "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 2)),
+              "moe_intermediate_size": size, "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
+              "decoder_sparse_step": int(cfg.get("decoder_sparse_step") or cfg.get("moe_layer_freq") or 1),
+              "mlp_only_layers": tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+              "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0)}
+    if "n_routed_experts" in cfg:
+        scoring = cfg.get("scoring_func", "sigmoid")
+        if scoring != "sigmoid" or cfg.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise ValueError(f"MoE routing {scoring!r}/{cfg.get('topk_method')!r} is not supported; supported: "
+                             "sigmoid scores with the bias-corrected grouped top-k (noaux_tc)")
+        fields.update(router=Router.SIGMOID_GROUPED, n_group=int(cfg.get("n_group") or 1),
+                      topk_group=int(cfg.get("topk_group") or 1),
+                      routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+                      mlp_only_layers=tuple(range(int(cfg.get("first_k_dense_replace") or 0))),
+                      shared_expert_intermediate_size=size * int(cfg.get("n_shared_experts") or 0),
+                      shared_expert_gated=False)
+    return fields
+
+
+def _mla_fields(cfg: dict) -> dict:
+    """Multi-head latent attention sizes (DeepSeek-V2/V3 configs); empty for other models."""
+    if not cfg.get("kv_lora_rank"):
+        return {}
+    return {"kv_lora_rank": int(cfg["kv_lora_rank"]), "q_lora_rank": int(cfg.get("q_lora_rank") or 0),
+            "qk_nope_head_dim": int(cfg["qk_nope_head_dim"]), "v_head_dim": int(cfg["v_head_dim"]),
+            "rope_interleave": bool(cfg.get("rope_interleave", True))}

@@ -16,6 +16,7 @@ from xlserve.kernels import cpu_ops
 from xlserve.layers.attention import AttentionMetadata, DecodePath, get_attention_backend
 from xlserve.layers.embedding import Embedding
 from xlserve.layers.linear import Linear, MergedLinear, copy_checked, linear
+from xlserve.layers.mla import LatentAttention
 from xlserve.layers.mlp import MLP
 from xlserve.layers.moe import EXPERT_PARTS, SparseMoE
 from xlserve.layers.norm import RMSNorm
@@ -70,7 +71,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, rotary, qkv_bias, qk_norm)
+        self.self_attn = LatentAttention(arch, rotary) if arch.kv_lora_rank else \
+            Attention(arch, rotary, qkv_bias, qk_norm)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = SparseMoE(arch) if arch.sparse_layer(index) else MLP(arch.hidden_size, arch.intermediate_size)
 
@@ -85,6 +87,8 @@ class DecoderLayer(nn.Module):
         rows (the row kernel) or up to ``cpu_ops.AMX_MAX_ROWS`` where every projection fits
         AMX (the features it implements: ``engine/decode_plan.py``)."""
         attn, mlp = self.self_attn, self.mlp
+        if not isinstance(attn, Attention) or not isinstance(mlp, MLP):
+            return False
         if attn.qkv_proj.weight.dtype != torch.bfloat16 or not cpu_ops.usable(attn.qkv_proj.weight):
             return False
         return rows <= cpu_ops.LINEAR_MAX_ROWS or (
@@ -116,7 +120,7 @@ class DecoderModel(nn.Module):
     def __init__(self, arch: ModelArch, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         self.rotary = rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
-                                 arch.rope_scaling_dict)
+                                               arch.rope_scaling_dict, arch.rope_interleave)
         self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, rotary, qkv_bias, qk_norm, i)
                                     for i in range(arch.num_layers))
@@ -151,6 +155,8 @@ class DecoderModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
+    stacked_params = STACKED_PARAMS  # checkpoint projections fused into one of our modules
+    renames: dict[str, str] = {".block_sparse_moe.": ".mlp."}  # checkpoint name part -> ours
 
     @property
     def features(self) -> frozenset[str]:
@@ -168,7 +174,8 @@ class LlamaForCausalLM(nn.Module):
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def bind_kv_cache(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def bind_kv_cache(self, caches: list[tuple[torch.Tensor, ...]]) -> None:
+        """Each layer's cache tensors (``ModelArch.kv_cache_spec``: K and V, or MLA's latent)."""
         for layer, cache in zip(self.model.layers, caches, strict=True):
             layer.self_attn.kv_cache = cache
         self.model.layer_addresses = None  # the addresses include the caches: rebuilt on next use
@@ -184,9 +191,11 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded = set()
         for name, tensor in weights:
-            if "rotary_emb" in name or (name == "lm_head.weight" and self.arch.tie_word_embeddings):
+            if self.skips(name):
                 continue
-            target, shard = _param_name(name.replace(".block_sparse_moe.", ".mlp."))
+            for theirs, ours in self.renames.items():
+                name = name.replace(theirs, ours)
+            target, shard = _param_name(name, self.stacked_params)
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.arch.architecture}")
@@ -203,6 +212,10 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
 
+    def skips(self, name: str) -> bool:
+        """Checkpoint tensors that are not weights of this model (precomputed rotary tables)."""
+        return "rotary_emb" in name or (name == "lm_head.weight" and self.arch.tie_word_embeddings)
+
     def _expected_loads(self, params: dict) -> set:
         expected = set()
         for name in params:
@@ -218,14 +231,14 @@ class LlamaForCausalLM(nn.Module):
         return expected
 
 
-def _param_name(name: str) -> tuple[str, object]:
+def _param_name(name: str, stacked_params: dict) -> tuple[str, object]:
     """Our parameter for a checkpoint tensor, and the shard of it the tensor fills: a part
     of a fused projection, (expert, part) of a stacked expert weight, or None (all of it)."""
     m = _EXPERT.fullmatch(name)
     if m:
         stacked, part = EXPERT_PARTS[m.group(3)]
         return f"{m.group(1)}.{stacked}", (int(m.group(2)), part)
-    for proj, (fused, shard_id) in STACKED_PARAMS.items():
+    for proj, (fused, shard_id) in stacked_params.items():
         if f".{proj}." in name:
             return name.replace(f".{proj}.", f".{fused}."), shard_id
     return name, None

@@ -8,6 +8,7 @@ import importlib
 from xlserve.models.arch import ModelArch
 
 MODEL_REGISTRY = {
+    "DeepseekV3ForCausalLM": ("xlserve.models.deepseek", "DeepseekV3ForCausalLM"),  # also Kimi K2
     "LlamaForCausalLM": ("xlserve.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("xlserve.models.llama", "LlamaForCausalLM"),
     "MixtralForCausalLM": ("xlserve.models.llama", "LlamaForCausalLM"),  # MoE layers from the config

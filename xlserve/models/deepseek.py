@@ -1,0 +1,22 @@
+"""DeepSeek-V3 and Kimi K2 (``DeepseekV3ForCausalLM``): the Llama decoder with multi-head
+latent attention (``layers/mla.py``) and, after ``first_k_dense_replace`` dense layers,
+sigmoid-routed experts plus shared experts (``layers/moe.py``) — all chosen from the
+config, so this class only maps the checkpoint's names."""
+
+import re
+
+from xlserve.models.llama import STACKED_PARAMS, LlamaForCausalLM
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+class DeepseekV3ForCausalLM(LlamaForCausalLM):
+    # q, k and v are not fused here: MLA's projections keep their checkpoint names
+    stacked_params = {k: v for k, v in STACKED_PARAMS.items() if k in ("gate_proj", "up_proj")}
+    renames = {".mlp.shared_experts.": ".mlp.shared_expert."}
+
+    def skips(self, name: str) -> bool:
+        """Also the multi-token-prediction layers stored after the last decoder layer (layer
+        61 of DeepSeek-V3's 61): a draft head, not part of the model's forward."""
+        layer = _LAYER.match(name)
+        return super().skips(name) or (layer is not None and int(layer.group(1)) >= self.arch.num_layers)
