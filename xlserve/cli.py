@@ -150,9 +150,28 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     _add_engine_args(g)
     g.set_defaults(func=cmd_generate)
+    _add_plan_parser(sub)
     from xlserve.bench.cli import add_bench_parser
     add_bench_parser(sub)
     return parser
+
+
+def _add_plan_parser(sub) -> None:
+    from xlserve.planner.report import PRESETS, PlanConfig
+    text = ("print where a model's memory goes on a set of GPUs: weights per GPU by format and component, "
+            "activation peak, CUDA-graph pool, KV bytes per token by layer group, KV memory and token "
+            "capacity, and whether it fits")
+    p = sub.add_parser("plan", help=text, description=text[0].upper() + text[1:] + f". Presets: {', '.join(PRESETS)}. "
+                       "Example: xlserve plan --model llama-4-scout --gpus 2xH200")
+    add_config_args(p, PlanConfig, "plan")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args) -> int:
+    from xlserve.planner.report import PlanConfig, make_plan, to_json, to_table
+    plan = make_plan(config_from_args(args, PlanConfig))
+    print(json.dumps(to_json(plan), indent=2) if args.json else to_table(plan))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

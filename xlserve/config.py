@@ -59,7 +59,11 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = _opt(16, "Tokens per KV-cache block (also the prefix-cache granularity).")
     num_kv_blocks: int = _opt(0, "KV-cache blocks in the device pool; 0 sizes the pool from --kv-cache-tokens.")
-    kv_cache_tokens: int = _opt(32768, "Token capacity of the KV pool when --num-kv-blocks is 0.")
+    kv_cache_tokens: int = _opt(32768, "Token capacity of the KV pool when --num-kv-blocks and "
+                                "--kv-cache-memory are 0.")
+    kv_cache_memory: float = _opt(0.0, "GiB for the KV pool; its token capacity follows from the model's KV bytes "
+                                       "per token, as 'xlserve plan' computes them (MLA latents are small, full "
+                                       "K/V large). 0: size the pool by --kv-cache-tokens.")
     enable_prefix_caching: bool = _opt(True, "Reuse KV blocks of earlier requests that share a prefix.")
 
     def __post_init__(self):
@@ -67,13 +71,23 @@ class CacheConfig:
             raise ValueError(f"block_size must be a power of two in 1..128, got {self.block_size}")
         if self.num_kv_blocks < 0:
             raise ValueError(f"num_kv_blocks must be >= 0 (0 = auto), got {self.num_kv_blocks}")
+        if self.kv_cache_memory < 0:
+            raise ValueError(f"kv_cache_memory must be >= 0 GiB (0 = by tokens), got {self.kv_cache_memory}")
         if self.num_kv_blocks == 0 and self.kv_cache_tokens < self.block_size:
             raise ValueError(f"kv_cache_tokens must hold at least one block ({self.block_size}), "
                              f"got {self.kv_cache_tokens}")
 
-    @property
-    def total_blocks(self) -> int:
-        return self.num_kv_blocks or self.kv_cache_tokens // self.block_size
+    def total_blocks(self, bytes_per_token: int) -> int:
+        """Blocks of the pool; ``bytes_per_token``: the model's KV bytes per token (all layers)."""
+        if self.num_kv_blocks:
+            return self.num_kv_blocks
+        if self.kv_cache_memory:
+            blocks = int(self.kv_cache_memory * 1024 ** 3 // (bytes_per_token * self.block_size))
+            if blocks < 1:
+                raise ValueError(f"--kv-cache-memory {self.kv_cache_memory} GiB holds no block of "
+                                 f"{self.block_size} tokens at {bytes_per_token} bytes per token")
+            return blocks
+        return self.kv_cache_tokens // self.block_size
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from xlserve.engine.scheduler import Scheduler, SchedulerOutput
 from xlserve.hashing import BlockHash, block_hashes
 from xlserve.loader.model_loader import LoadedModel, load_model
 from xlserve.loader.tokenizer import prompt_token_ids
+from xlserve.planner.memory_plan import pool_bytes_per_token
 from xlserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ class LLMEngine:
         self.max_model_len = min(config.model.max_model_len or arch.max_position_embeddings,
                                  arch.max_position_embeddings)
         self.block_size = config.cache.block_size
-        self.num_blocks = config.cache.total_blocks
+        self.num_blocks = config.cache.total_blocks(pool_bytes_per_token(arch, self.loaded.dtype.itemsize))
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.max_model_len)
         self.guided = GuidedDecoding(self.tokenizer, arch.vocab_size) if self.tokenizer else None
         self.runner = ModelRunner(self.loaded, self.num_blocks, self.block_size, self.guided,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import enum
 from dataclasses import dataclass
 
@@ -15,7 +16,8 @@ DIMENSIONS = frozenset({"architecture", "vocab_size", "hidden_size", "intermedia
                 "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group", "routed_scaling_factor"})
 FEATURES = frozenset({"attention_bias", "qk_norm", "tie_word_embeddings", "rope_scaling", "num_experts",
                       "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size",
-                      "shared_expert_gated", "router", "kv_lora_rank", "q_lora_rank", "rope_interleave"})
+                      "shared_expert_gated", "router", "kv_lora_rank", "q_lora_rank", "rope_interleave",
+                      "layer_windows", "chunked_attention"})
 
 
 class Router(str, enum.Enum):
@@ -76,6 +78,10 @@ class ModelArch:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # rotary pairs are (x0, x1), (x2, x3)... instead of two halves
+    # per-layer attention window in tokens, 0: the whole context (Gemma 3, gpt-oss: sliding;
+    # Llama 4: chunked, a token sees its own aligned chunk); empty: every layer sees it all
+    layer_windows: tuple = ()
+    chunked_attention: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -109,6 +115,8 @@ class ModelArch:
         archs = cfg.get("architectures") or []
         if not archs:
             raise ValueError("model config has no 'architectures' entry")
+        if isinstance(cfg.get("text_config"), dict):  # a multimodal wrapper: the language model's facts
+            cfg = {**cfg["text_config"], "architectures": archs}
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
@@ -117,16 +125,16 @@ class ModelArch:
             scaling["rope_type"] = scaling.pop("type")
         rope_theta = cfg.get("rope_theta", scaling.pop("rope_theta", 10000.0))
         max_positions = int(cfg.get("max_position_embeddings", 4096))
-        mla = _mla_fields(cfg)
+        mla, windows = _mla_fields(cfg), _layer_windows(cfg)
         window = cfg.get("sliding_window")
-        if window and cfg.get("use_sliding_window", True):
+        if window and cfg.get("use_sliding_window", True) and not windows:
             # Full attention equals sliding-window attention up to the window: serve that far.
             max_positions = min(max_positions, int(window))
         return cls(
             architecture=archs[0],
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
+            intermediate_size=int(cfg.get("intermediate_size_mlp") or cfg["intermediate_size"]),
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -137,7 +145,7 @@ class ModelArch:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             rope_scaling=tuple(sorted(scaling.items())),
-            **_moe_fields(cfg), **mla,
+            **_moe_fields(cfg), **mla, **windows,
         )
 
     @property
@@ -145,6 +153,12 @@ class ModelArch:
         if self.kv_lora_rank:
             return KVCacheSpec(1, 1, self.kv_lora_rank + self.head_dim)
         return KVCacheSpec(2, self.num_kv_heads, self.head_dim)
+
+    def kv_groups(self) -> list[tuple[int, int]]:
+        """(window, layers) per group of layers whose cache lives alike: window 0 keeps every
+        token; a window w keeps at most w (sliding) or one chunk of w (chunked) per sequence."""
+        windows = self.layer_windows or (0,) * self.num_layers
+        return sorted(collections.Counter(windows).items())
 
     def sparse_layer(self, index: int) -> bool:
         """Layer ``index`` routes to experts (else it has a dense MLP)."""
@@ -163,7 +177,8 @@ class ModelArch:
                 "shared_expert_intermediate_size": moe and self.shared_expert_intermediate_size > 0,
                 "shared_expert_gated": moe and self.shared_expert_intermediate_size > 0 and self.shared_expert_gated,
                 "router": moe and self.router is not Router.SOFTMAX_TOPK, "kv_lora_rank": self.kv_lora_rank > 0,
-                "q_lora_rank": self.q_lora_rank > 0, "rope_interleave": self.rope_interleave}
+                "q_lora_rank": self.q_lora_rank > 0, "rope_interleave": self.rope_interleave,
+                "layer_windows": any(self.layer_windows), "chunked_attention": self.chunked_attention}
         return frozenset(name for name, on in used.items() if on)
 
 
@@ -174,12 +189,15 @@ def _moe_fields(cfg: dict) -> dict:
     experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
     if not experts:
         return {}
-    size = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+    size = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])  # Llama 4: the experts' size
     fields = {"num_experts": experts, "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 2)),
               "moe_intermediate_size": size, "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
-              "decoder_sparse_step": int(cfg.get("decoder_sparse_step") or cfg.get("moe_layer_freq") or 1),
+              "decoder_sparse_step": int(cfg.get("decoder_sparse_step") or cfg.get("moe_layer_freq")
+                                         or cfg.get("interleave_moe_layer_step") or 1),
               "mlp_only_layers": tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
               "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0)}
+    if "intermediate_size_mlp" in cfg:  # Llama 4: every MoE layer also has an ungated shared expert
+        fields.update(shared_expert_intermediate_size=size, shared_expert_gated=False)
     if "n_routed_experts" in cfg:
         scoring = cfg.get("scoring_func", "sigmoid")
         if scoring != "sigmoid" or cfg.get("topk_method", "noaux_tc") != "noaux_tc":
@@ -192,6 +210,28 @@ def _moe_fields(cfg: dict) -> dict:
                       shared_expert_intermediate_size=size * int(cfg.get("n_shared_experts") or 0),
                       shared_expert_gated=False)
     return fields
+
+
+def _layer_windows(cfg: dict) -> dict:
+    """Per-layer windows from ``layer_types`` (HF's names), Llama 4's ``no_rope_layers`` (its
+    rotary layers are the chunked ones) or Gemma's ``sliding_window_pattern``."""
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if not types and cfg.get("no_rope_layers") and cfg.get("attention_chunk_size"):
+        types = ["chunked_attention" if rope else "full_attention" for rope in cfg["no_rope_layers"]]
+    if not types and cfg.get("sliding_window_pattern") and cfg.get("sliding_window"):
+        pattern = int(cfg["sliding_window_pattern"])
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    if not types or set(types) == {"full_attention"}:
+        return {}
+    sizes = {"full_attention": 0, "sliding_attention": cfg.get("sliding_window"),
+             "chunked_attention": cfg.get("attention_chunk_size")}
+    unknown = set(types) - {t for t, size in sizes.items() if size is not None}
+    if unknown or len(types) != layers:
+        raise ValueError(f"model config: layer_types {sorted(set(types))} for {len(types)} of {layers} layers; "
+                         "supported: full_attention, sliding_attention (with sliding_window), chunked_attention "
+                         "(with attention_chunk_size), one per layer")
+    return {"layer_windows": tuple(int(sizes[t]) for t in types), "chunked_attention": "chunked_attention" in types}
 
 
 def _mla_fields(cfg: dict) -> dict:
