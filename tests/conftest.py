@@ -11,6 +11,8 @@ TINY_COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hi
 def _tiny_configs():
     from transformers import (
         DeepseekV3Config,
+        Gemma3TextConfig,
+        Llama4TextConfig,
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
@@ -42,6 +44,20 @@ def _tiny_configs():
                                         rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale": 0.8,
                                                       "mscale_all_dim": 1.0, "original_max_position_embeddings": 128,
                                                       "beta_fast": 32, "beta_slow": 1}),
+        # sliding windows of 8 tokens, every third layer global with its own rotary base and scaling
+        "gemma3": Gemma3TextConfig(**{**TINY_COMMON, "num_hidden_layers": 3, "tie_word_embeddings": True},
+                                   head_dim=32, sliding_window=8, layer_types=["sliding_attention",
+                                                                                "sliding_attention", "full_attention"],
+                                   query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+                                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                       "rope_theta": 100000.0},
+                                                    "sliding_attention": {"rope_type": "default",
+                                                                          "rope_theta": 10000.0}}),
+        # chunks of 8 tokens on rotary layers, a global layer with query temperature, MoE every other layer
+        "llama4": Llama4TextConfig(**{**TINY_COMMON, "num_hidden_layers": 4, "intermediate_size": 32},
+                                   intermediate_size_mlp=128, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
+                                   interleave_moe_layer_step=2, attention_chunk_size=8, no_rope_layers=[1, 1, 1, 0],
+                                   use_qk_norm=True, floor_scale=4, attn_scale=0.1, attn_temperature_tuning=True),
     }
 
 
@@ -55,9 +71,11 @@ def tiny_model_dirs(tmp_path_factory):
         model = AutoModelForCausalLM.from_config(cfg)
         # Random init is small; widen the weights so logits are far from ties.
         with torch.no_grad():
-            for p in model.parameters():
+            for param_name, p in model.named_parameters():
                 if p.dim() == 2:
                     p.mul_(4.0)
+                elif name == "gemma3" and param_name.endswith("norm.weight"):  # offsets from 1, zero at init
+                    p.normal_(0.0, 0.2)
             for buffer_name, b in model.named_buffers():
                 if buffer_name.endswith("e_score_correction_bias"):  # zero at init: make the bias choose
                     b.normal_(0.0, 0.3)

@@ -83,7 +83,7 @@ def test_rmsnorm_rope_silu_match_eager(dtype):
         _close(cpu_ops.rmsnorm(x, norm.weight, norm.eps), eager, dtype)
 
     rotary = RotaryEmbedding(16, 64, 10000.0, {})
-    cos, sin = rotary.cos_sin(torch.tensor([0, 5, 9]), dtype)
+    cos, sin = rotary.tables(torch.tensor([0, 5, 9]), dtype)
     qkv = torch.randn(3, 16 * (4 + 2 + 2), generator=g).to(dtype)
     q, k = qkv[:, :64].reshape(3, 4, 16), qkv[:, 64:96].reshape(3, 2, 16)
     ref_q, ref_k = rotary((cos, sin), q, k)

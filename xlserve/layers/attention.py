@@ -59,6 +59,24 @@ class PrefillChunk:
     prefix_first_slot: int | None = None  # the cached prefix is slots [this, this + C - n) when not None
 
 
+@dataclass(frozen=True)
+class Window:
+    """The earlier tokens a query sees in a windowed layer: the last ``size`` positions, itself
+    included (sliding: Gemma 3, gpt-oss), or those of its own aligned chunk of ``size``
+    (chunked: Llama 4) — the masks transformers builds for these layers."""
+    size: int
+    chunked: bool = False
+
+    def allows(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """Boolean [.., Q, K] for broadcastable query and key positions (causal included)."""
+        near = (k_pos // self.size == q_pos // self.size) if self.chunked else (k_pos > q_pos - self.size)
+        return (k_pos <= q_pos) & near
+
+    def first_key(self, q_pos: int) -> int:
+        """The earliest key position any query at ``q_pos`` or later sees."""
+        return (q_pos // self.size) * self.size if self.chunked else max(q_pos - self.size + 1, 0)
+
+
 class DecodePath(str, enum.Enum):
     """The path of one step's forward (decided by ``engine/decode_plan.py:plan_decode``)."""
     CUDA_GRAPH = "cuda_graph"  # a decode step replayed from a captured CUDA graph of the eager model
@@ -78,38 +96,53 @@ class AttentionMetadata:
     cpu_kernels: bool = False  # the CPU kernels apply to this step (device, dtype, head shapes, library)
     decode_path: DecodePath = DecodePath.EAGER  # chosen once per step (engine/decode_plan.py)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    window_masks: dict = field(default_factory=dict)  # Window -> decode mask, built once per step
 
     @property
     def fused_decode(self) -> bool:
         """A decode-only CPU step on the fused kernels (rows = batch, in order)."""
         return self.decode_path in (DecodePath.ONE_CALL, DecodePath.FUSED_LAYERS)
 
+    def decode_window_mask(self, window: Window) -> torch.Tensor:
+        """``decode_mask`` narrowed to what ``window`` lets each decode row see; computed on
+        first use in a step and shared by every layer with that window."""
+        mask = self.window_masks.get(window)
+        if mask is None:
+            lens = self.decode_lens.unsqueeze(1)
+            positions = torch.arange(self.decode_slots.shape[1], device=lens.device).unsqueeze(0)
+            allowed = (positions < lens) & window.allows(lens - 1, positions)
+            mask = self.window_masks[window] = additive_mask(allowed[:, None, None, :], self.decode_mask.dtype)
+        return mask
+
 
 class AttentionBackend(ABC):
     """Computes attention for one layer. Invariants: writes every new token's K/V to
-    ``slot_mapping`` before reading, and returns one output row per query row."""
+    ``slot_mapping`` before reading, and returns one output row per query row; a ``window``
+    layer reads no key outside its window; ``scale`` None is 1/sqrt(head_dim)."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, window: Window | None = None, scale: float | None = None) -> torch.Tensor:
         ...
 
 
 class TorchSDPABackend(AttentionBackend):
-    def forward(self, q, k, v, kv_cache, meta):
+    def forward(self, q, k, v, kv_cache, meta, window=None, scale=None):
         k_cache, v_cache = kv_cache
         if meta.fused_decode:  # one kernel writes the new K/V and attends
             return cpu_ops.decode_attention(q, k, v, meta.slot_mapping, k_cache, v_cache, meta.decode_slots,
-                                            meta.decode_lens, q.shape[-1] ** -0.5)
+                                            meta.decode_lens, scale or q.shape[-1] ** -0.5)
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
+        if window is not None:
+            return _windowed(q, k_cache, v_cache, meta, window, scale)
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
             rows = meta.decode_rows
             qd = q[rows].unsqueeze(2)  # [B, Hq, 1, D]
             kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
             vd = v_cache[meta.decode_slots].transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True, scale=scale)
             out[rows] = od.squeeze(2)
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.end)
@@ -117,18 +150,44 @@ class TorchSDPABackend(AttentionBackend):
                 # 4-D inputs: with 3-D ones torch's CPU SDPA leaves its flash kernel for the
                 # quadratic math path (20x slower at 2,000 tokens).
                 op = F.scaled_dot_product_attention(_heads_first(q[rows]), _heads_first(k[rows]),
-                                                    _heads_first(v[rows]), is_causal=True, enable_gqa=True)
+                                                    _heads_first(v[rows]), is_causal=True, enable_gqa=True, scale=scale)
                 out[rows] = op.squeeze(0).transpose(0, 1)
             else:
-                out[rows] = _attend_context(q[rows], k[rows], v[rows], k_cache, v_cache, chunk)
+                out[rows] = _attend_context(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale)
         return out
+
+
+def _windowed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+              window: Window, scale: float | None) -> torch.Tensor:
+    """Attention of a windowed layer, its new K/V already in the cache: decode rows under the
+    step's window mask, each chunk over the keys from its window's first position on."""
+    out = torch.empty_like(q)
+    if meta.decode_rows is not None:
+        rows = meta.decode_rows
+        qd = q[rows].unsqueeze(2)
+        kd, vd = k_cache[meta.decode_slots].transpose(1, 2), v_cache[meta.decode_slots].transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_window_mask(window),
+                                            enable_gqa=True, scale=scale)
+        out[rows] = od.squeeze(2)
+    for chunk in meta.prefills:
+        rows = slice(chunk.start, chunk.end)
+        slots = chunk.context_slots if chunk.context_slots is not None else meta.slot_mapping[rows]
+        n, context = chunk.end - chunk.start, len(slots)
+        first = window.first_key(context - n)
+        positions = torch.arange(context, device=q.device)
+        allowed = window.allows(positions[context - n:, None], positions[None, first:])
+        keys, values = k_cache[slots[first:]], v_cache[slots[first:]]
+        o = F.scaled_dot_product_attention(_heads_first(q[rows]), _heads_first(keys), _heads_first(values),
+                                           attn_mask=additive_mask(allowed, q.dtype), enable_gqa=True, scale=scale)
+        out[rows] = o.squeeze(0).transpose(0, 1)
+    return out
 
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _attend_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
+                    v_cache: torch.Tensor, chunk: PrefillChunk, scale: float | None = None) -> torch.Tensor:
     """A chunk [n, Hq, D] (its own keys and values ``k``, ``v``, already in the cache) after
     a cached prefix: each row attends to the prefix and to the chunk up to itself."""
     n, hq, d = q.shape
@@ -139,7 +198,7 @@ def _attend_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         from torch.nn.attention.bias import causal_lower_right
         ctx = chunk.context_slots
         out = F.scaled_dot_product_attention(_heads_first(q), _heads_first(k_cache[ctx]), _heads_first(v_cache[ctx]),
-                                             attn_mask=causal_lower_right(n, len(ctx)), enable_gqa=True)
+                                             attn_mask=causal_lower_right(n, len(ctx)), enable_gqa=True, scale=scale)
         return out.squeeze(0).transpose(0, 1)
     # CPU: the query heads that share a KV head are stacked along the query axis
     # ([1, Hk, G*n, D]): fewer, larger products over the long context, no K/V copy per head
@@ -152,7 +211,8 @@ def _attend_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         k_prefix, v_prefix = k_cache[first:first + start], v_cache[first:first + start]
     else:
         k_prefix, v_prefix = k_cache[chunk.context_slots[:start]], v_cache[chunk.context_slots[:start]]
-    og = _split_attention(qg, _heads_first(k_prefix), _heads_first(v_prefix), _heads_first(k), _heads_first(v), group)
+    og = _split_attention(qg, _heads_first(k_prefix), _heads_first(v_prefix), _heads_first(k), _heads_first(v), group,
+                          scale)
     return og.view(hk, group, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
 
 
@@ -162,16 +222,16 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
 
 
 def _split_attention(qg: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k_self: torch.Tensor,
-                     v_self: torch.Tensor, group: int) -> torch.Tensor:
+                     v_self: torch.Tensor, group: int, scale: float | None = None) -> torch.Tensor:
     """Attention over [cached prefix | the chunk itself] as two flash calls merged by their
     log-sum-exps: the prefix needs no mask at all and the chunk is plainly causal, so no
     [n, C] mask is built or read, and the causal half skips its upper triangle."""
     _, hk, rows, d = qg.shape
     n = rows // group
-    o_prefix, lse_prefix = _CPU_FLASH(qg, k_prefix, v_prefix)
+    o_prefix, lse_prefix = _CPU_FLASH(qg, k_prefix, v_prefix, scale=scale)
     q_heads = qg.view(hk, group, n, d).reshape(1, hk * group, n, d)
     o_self, lse_self = _CPU_FLASH(q_heads, k_self.repeat_interleave(group, 1), v_self.repeat_interleave(group, 1),
-                                  is_causal=True)
+                                  is_causal=True, scale=scale)
     lse_self = lse_self.reshape(1, hk, group * n)
     top = torch.maximum(lse_prefix, lse_self)
     w_prefix, w_self = (lse_prefix - top).exp_(), (lse_self - top).exp_()

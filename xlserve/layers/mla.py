@@ -24,7 +24,7 @@ from torch import nn
 from xlserve.layers.attention import AttentionMetadata, PrefillChunk, additive_mask
 from xlserve.layers.linear import Linear
 from xlserve.layers.norm import RMSNorm
-from xlserve.layers.rotary import RotaryEmbedding, yarn_mscale
+from xlserve.layers.rotary import PositionEncoding, yarn_mscale
 from xlserve.models.arch import ModelArch
 
 
@@ -39,7 +39,7 @@ def softmax_scale(arch: ModelArch) -> float:
 
 
 class LatentAttention(nn.Module):
-    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding):
+    def __init__(self, arch: ModelArch, positional: PositionEncoding):
         super().__init__()
         self.num_heads, self.rank, self.rope_dim = arch.num_heads, arch.kv_lora_rank, arch.head_dim
         self.nope_dim, self.v_dim = arch.qk_nope_head_dim, arch.v_head_dim
@@ -56,16 +56,16 @@ class LatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.rank, 1e-6)
         self.kv_b_proj = Linear(self.rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = Linear(self.num_heads * self.v_dim, arch.hidden_size, bias=arch.attention_bias)
-        self.rotary = rotary
+        self.positional = positional
         self.scale = softmax_scale(arch)
         self.kv_cache: tuple[torch.Tensor] | None = None  # ([slots, 1, rank + rope_dim],)
 
-    def forward(self, cos_sin, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, tables, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         q = self._queries(x).view(n, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_rope = q.split((self.nope_dim, self.rope_dim), dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split((self.rank, self.rope_dim), dim=-1)
-        q_rope, k_rope = self.rotary(cos_sin, q_rope, k_rope.unsqueeze(1))
+        q_rope, k_rope = self.positional(tables, q_rope, k_rope.unsqueeze(1))
         entries = torch.cat((self.kv_a_layernorm(latent), k_rope.squeeze(1)), dim=-1)  # [n, rank + rope]
         cache = self.kv_cache[0]
         cache.index_copy_(0, meta.slot_mapping, entries.unsqueeze(1))

@@ -1,5 +1,6 @@
-"""The SwiGLU MLP of Llama-family layers (and of a MoE layer's shared expert): one
-matmul for gate and up, SiLU(gate) * up, then down."""
+"""The gated MLP of Llama-family layers (and of a MoE layer's shared expert): one matmul
+for gate and up, act(gate) * up, then down; act is SiLU (SwiGLU) or tanh-approximated GELU
+(Gemma's GeGLU)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,18 @@ from torch import nn
 
 from xlserve.layers.linear import Linear, MergedLinear
 
+ACTIVATION = {"silu": nn.functional.silu,
+              "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh")}
+
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu"):
         super().__init__()
+        self.act = ACTIVATION[activation]
         size = intermediate_size
         self.gate_up_proj = MergedLinear(hidden_size, {"gate": size, "up": size}, bias=False)
         self.down_proj = Linear(size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)

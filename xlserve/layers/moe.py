@@ -24,7 +24,8 @@ class ExpertRouter(nn.Module):
     """Picks each token's ``top_k`` experts and their weights (the checkpoint's ``mlp.gate``).
 
     Softmax top-k (Mixtral, Qwen): softmax over all experts in float32, the k largest,
-    renormalized where the model says so. Sigmoid grouped (DeepSeek-V3, ``noaux_tc``):
+    renormalized where the model says so. Llama 4: the k largest logits, weights their sigmoid
+    (``SparseMoE`` scales the expert's input by it, not its output). Sigmoid grouped (DeepSeek-V3, ``noaux_tc``):
     sigmoid scores; the choice adds ``e_score_correction_bias``, keeps the ``topk_group``
     groups whose two best experts score highest, and takes the k best in them; the weights
     are the unbiased scores, renormalized, times ``routed_scaling_factor``. DeepSeek keeps
@@ -41,10 +42,13 @@ class ExpertRouter(nn.Module):
             self.n_group, self.topk_group, self.scale = arch.n_group, arch.topk_group, arch.routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k], experts [T, k]); weights in x's dtype (softmax) or float32 (sigmoid),
-        as the reference implementations round them."""
+        """(weights [T, k], experts [T, k]); weights in x's dtype (softmax, Llama 4) or float32
+        (DeepSeek), as the reference implementations round them."""
         if self.kind is Router.SIGMOID_GROUPED:
             return self._sigmoid_grouped(x)
+        if self.kind is Router.SIGMOID_TOPK_INPUT:
+            top, experts = nn.functional.linear(x, self.weight).topk(self.top_k, dim=-1)
+            return torch.sigmoid(top.float()).to(x.dtype), experts
         probs = torch.softmax(nn.functional.linear(x, self.weight).float(), dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.normalize:
@@ -71,6 +75,7 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k = arch.num_experts, arch.num_experts_per_tok
         size, hidden = arch.moe_intermediate_size, arch.hidden_size
         self.gate = ExpertRouter(arch)
+        self.scale_input = arch.router is Router.SIGMOID_TOPK_INPUT
         self.w_gate_up = nn.Parameter(torch.empty(arch.num_experts, 2 * size, hidden), requires_grad=False)
         self.w_down = nn.Parameter(torch.empty(arch.num_experts, hidden, size), requires_grad=False)
         self.shared_expert = self.shared_expert_gate = None
@@ -79,12 +84,22 @@ class SparseMoE(nn.Module):
             if arch.shared_expert_gated:
                 self.shared_expert_gate = Linear(hidden, 1, bias=False)
 
-    def load_expert(self, expert: int, part: str, loaded: torch.Tensor) -> None:
-        """One expert's projection from the checkpoint into the stacked weights."""
+    def load(self, shard: tuple, loaded: torch.Tensor) -> set:
+        """A checkpoint tensor into the stacked weights; returns the (expert, part) shards it
+        filled. ``shard``: (expert, part) for one expert's projection (Mixtral, Qwen, DeepSeek),
+        or (None, "gate_up" | "down") for all experts' in one tensor, input-major (Llama 4:
+        [E, hidden, 2 x size] with gate first, and [E, size, hidden])."""
+        expert, part = shard
         size = self.w_down.shape[2]
+        if expert is None:
+            target = self.w_gate_up if part == "gate_up" else self.w_down
+            copy_checked(target.data, loaded.transpose(1, 2), f"experts {part}")
+            parts = ("gate", "up") if part == "gate_up" else ("down",)
+            return {(e, p) for e in range(self.num_experts) for p in parts}
         target = {"gate": self.w_gate_up.data[expert, :size], "up": self.w_gate_up.data[expert, size:],
                   "down": self.w_down.data[expert]}[part]
         copy_checked(target, loaded, f"expert {expert} {part}")
+        return {shard}
 
     def expected_loads(self, prefix: str) -> set:
         """(parameter name, shard) pairs a complete checkpoint fills."""
@@ -104,7 +119,8 @@ class SparseMoE(nn.Module):
             if not count:
                 continue
             rows = tokens[start:start + count]
-            y = self.expert(expert, x[rows]) * weights.flatten()[order[start:start + count]].unsqueeze(1)
+            weight = weights.flatten()[order[start:start + count]].unsqueeze(1)
+            y = self.expert(expert, x[rows] * weight) if self.scale_input else self.expert(expert, x[rows]) * weight
             out.index_add_(0, rows, y.to(x.dtype))
             start += count
         if self.shared_expert_gate is not None:

@@ -1,10 +1,15 @@
-"""Rotary position embedding with a precomputed cos/sin table: the rotate-half layout
-(Llama) or interleaved pairs (DeepSeek's ``rope_interleave``), and the scaling rules of
-long-context checkpoints (linear, Llama 3, YaRN)."""
+"""How an attention layer encodes positions: rotary embedding with a precomputed cos/sin
+table (rotate-half layout, Llama; or interleaved pairs, DeepSeek's ``rope_interleave``, Llama
+4), with the scaling rules of long-context checkpoints (linear, Llama 3, YaRN); or no rotary
+at all with the query temperature Llama 4 gives its global layers.
+
+Both are a ``PositionEncoding``: ``tables(positions)`` once per forward (shared by every
+layer with that encoding), then ``forward(tables, q, k)`` per layer."""
 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 
 import torch
 from torch import nn
@@ -62,7 +67,17 @@ def attention_factor(scaling: dict) -> float:
     return yarn_mscale(factor)
 
 
-class RotaryEmbedding(nn.Module):
+class PositionEncoding(nn.Module, ABC):
+    @abstractmethod
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """Per-token tables for one forward."""
+
+    @abstractmethod
+    def forward(self, tables: tuple[torch.Tensor, ...], q: torch.Tensor, k: torch.Tensor):
+        """(q, k) with positions applied; q: [T, Hq, D], k: [T, Hkv, D]."""
+
+
+class RotaryEmbedding(PositionEncoding):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict, interleave: bool = False):
         super().__init__()
         self.interleave = interleave
@@ -80,14 +95,13 @@ class RotaryEmbedding(nn.Module):
         half = x.shape[-1] // 2
         return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The per-token [T, D] tables, gathered once per forward and shared by every layer."""
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin, [T, D] each."""
         if self.cos.device != positions.device:
             self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hkv, D]; cos_sin from ``cos_sin(positions)``."""
         if self.interleave:
             return self._rotate_pairs(cos_sin, q), self._rotate_pairs(cos_sin, k)
         cos, sin = (t.unsqueeze(1) for t in cos_sin)
@@ -101,3 +115,24 @@ class RotaryEmbedding(nn.Module):
         cos, sin = (t[:, :half].unsqueeze(1) for t in cos_sin)
         even, odd = x[..., 0::2], x[..., 1::2]
         return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
+
+
+class QueryTemperature(PositionEncoding):
+    """No rotary; queries scaled by log1p(floor((position + 1) / floor_scale)) * scale + 1, so
+    attention over a long context stays sharp (Llama 4's global layers, ``attn_temperature_tuning``)."""
+
+    def __init__(self, floor_scale: int, scale: float):
+        super().__init__()
+        self.floor_scale, self.scale = floor_scale, scale
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor]:
+        if not self.floor_scale:
+            return (None,)
+        steps = torch.floor((positions.float() + 1.0) / self.floor_scale)
+        return (torch.log1p(steps) * self.scale + 1.0,)  # float32, as the reference multiplies
+
+    def forward(self, tables, q: torch.Tensor, k: torch.Tensor):
+        (temperature,) = tables
+        if temperature is None:
+            return q, k
+        return (q * temperature[:, None, None]).to(q.dtype), k

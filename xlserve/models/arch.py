@@ -13,11 +13,14 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 DIMENSIONS = frozenset({"architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
                         "num_heads", "num_kv_heads", "head_dim", "rms_norm_eps", "rope_theta",
                         "max_position_embeddings", "num_experts_per_tok", "moe_intermediate_size",
-                "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group", "routed_scaling_factor"})
+                "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group", "routed_scaling_factor",
+                "nope_floor_scale", "nope_attn_scale"})
 FEATURES = frozenset({"attention_bias", "qk_norm", "tie_word_embeddings", "rope_scaling", "num_experts",
                       "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size",
                       "shared_expert_gated", "router", "kv_lora_rank", "q_lora_rank", "rope_interleave",
-                      "layer_windows", "chunked_attention"})
+                      "layer_windows", "chunked_attention", "hidden_act", "gemma_norms", "attention_scale",
+                      "final_logit_softcapping", "local_rope_theta", "nope_layers", "qk_l2_norm"})
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 class Router(str, enum.Enum):
@@ -26,6 +29,8 @@ class Router(str, enum.Enum):
     # DeepSeek-V3 / Kimi K2: sigmoid scores; the choice (not the weights) adds a per-expert
     # bias and first keeps the best groups of experts
     SIGMOID_GROUPED = "sigmoid_grouped"
+    # Llama 4: the k largest logits; each chosen expert's input is scaled by the sigmoid of its logit
+    SIGMOID_TOPK_INPUT = "sigmoid_topk_input"
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,20 @@ class ModelArch:
     # Llama 4: chunked, a token sees its own aligned chunk); empty: every layer sees it all
     layer_windows: tuple = ()
     chunked_attention: bool = False
+    hidden_act: str = "silu"  # of the MLP's gate (ACTIVATIONS)
+    # Gemma 2/3: RMSNorm scales by 1 + weight, attention and MLP outputs are normed before the
+    # residual adds them (four norms a layer), embeddings are scaled by sqrt(hidden_size)
+    gemma_norms: bool = False
+    attention_scale: float = 0.0  # softmax scale of q.k; 0: 1/sqrt(head_dim)
+    final_logit_softcapping: float = 0.0  # logits = cap * tanh(logits / cap); 0: none
+    local_rope_theta: float = 0.0  # rotary base of windowed layers (default rope); 0: rope_theta and rope_scaling
+    # Llama 4: layers without rotary (its global layers), their queries scaled by
+    # log1p(floor((pos + 1) / nope_floor_scale)) * nope_attn_scale + 1 (0: no scaling); and an
+    # L2 norm (no weight) on queries and keys of the rotary layers
+    nope_layers: tuple = ()
+    nope_floor_scale: int = 0
+    nope_attn_scale: float = 0.0
+    qk_l2_norm: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -102,6 +121,8 @@ class ModelArch:
                              f"groups of which topk_group={self.topk_group} are kept")
         if self.kv_lora_rank and not (self.qk_nope_head_dim > 0 and self.v_head_dim > 0):
             raise ValueError("model config: latent attention needs positive qk_nope_head_dim and v_head_dim")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"activation {self.hidden_act!r} is not supported; supported: {ACTIVATIONS}")
         rope_type = self.rope_scaling_dict.get("rope_type", "default")
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"rope scaling {rope_type!r} is not supported; supported: {ROPE_TYPES}")
@@ -120,6 +141,8 @@ class ModelArch:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        local = scaling.get("sliding_attention") if isinstance(scaling.get("sliding_attention"), dict) else None
+        scaling = scaling.get("full_attention", scaling)  # per layer type (Gemma 3): the global layers'
         scaling = {k: v for k, v in scaling.items() if not isinstance(v, (dict, list))}
         if "type" in scaling and "rope_type" not in scaling:
             scaling["rope_type"] = scaling.pop("type")
@@ -145,7 +168,7 @@ class ModelArch:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             rope_scaling=tuple(sorted(scaling.items())),
-            **_moe_fields(cfg), **mla, **windows,
+            **_moe_fields(cfg), **mla, **windows, **_gemma_fields(cfg, local), **_llama4_fields(cfg),
         )
 
     @property
@@ -178,7 +201,12 @@ class ModelArch:
                 "shared_expert_gated": moe and self.shared_expert_intermediate_size > 0 and self.shared_expert_gated,
                 "router": moe and self.router is not Router.SOFTMAX_TOPK, "kv_lora_rank": self.kv_lora_rank > 0,
                 "q_lora_rank": self.q_lora_rank > 0, "rope_interleave": self.rope_interleave,
-                "layer_windows": any(self.layer_windows), "chunked_attention": self.chunked_attention}
+                "layer_windows": any(self.layer_windows), "chunked_attention": self.chunked_attention,
+                "hidden_act": self.hidden_act != "silu", "gemma_norms": self.gemma_norms,
+                "attention_scale": self.attention_scale > 0,
+                "final_logit_softcapping": self.final_logit_softcapping > 0,
+                "local_rope_theta": self.local_rope_theta > 0,
+                "nope_layers": bool(self.nope_layers), "qk_l2_norm": self.qk_l2_norm}
         return frozenset(name for name, on in used.items() if on)
 
 
@@ -197,7 +225,12 @@ def _moe_fields(cfg: dict) -> dict:
               "mlp_only_layers": tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
               "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0)}
     if "intermediate_size_mlp" in cfg:  # Llama 4: every MoE layer also has an ungated shared expert
-        fields.update(shared_expert_intermediate_size=size, shared_expert_gated=False)
+        fields.update(shared_expert_intermediate_size=size, shared_expert_gated=False,
+                      router=Router.SIGMOID_TOPK_INPUT)
+    if cfg.get("moe_layers") is not None:  # an explicit list overrides the interleave step
+        moe = set(cfg["moe_layers"])
+        fields.update(decoder_sparse_step=1,
+                      mlp_only_layers=tuple(i for i in range(int(cfg["num_hidden_layers"])) if i not in moe))
     if "n_routed_experts" in cfg:
         scoring = cfg.get("scoring_func", "sigmoid")
         if scoring != "sigmoid" or cfg.get("topk_method", "noaux_tc") != "noaux_tc":
@@ -232,6 +265,32 @@ def _layer_windows(cfg: dict) -> dict:
                          "supported: full_attention, sliding_attention (with sliding_window), chunked_attention "
                          "(with attention_chunk_size), one per layer")
     return {"layer_windows": tuple(int(sizes[t]) for t in types), "chunked_attention": "chunked_attention" in types}
+
+
+def _gemma_fields(cfg: dict, local_rope: dict | None) -> dict:
+    """Gemma 2/3: norms, query scale, soft-capping and the windowed layers' own rotary base."""
+    fields = {"hidden_act": cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"}
+    if not str(cfg.get("model_type", "")).startswith("gemma"):
+        return fields
+    if cfg.get("attn_logit_softcapping"):
+        raise ValueError("attention logit soft-capping (Gemma 2) is not supported; Gemma 3 does not use it")
+    if local_rope and local_rope.get("rope_type", "default") != "default":
+        raise ValueError(f"rope scaling {local_rope.get('rope_type')!r} on windowed layers is not supported")
+    local_theta = (local_rope or {}).get("rope_theta") or cfg.get("rope_local_base_freq") or 0.0
+    query_scalar = cfg.get("query_pre_attn_scalar")
+    return {**fields, "gemma_norms": True, "attention_scale": float(query_scalar) ** -0.5 if query_scalar else 0.0,
+            "final_logit_softcapping": float(cfg.get("final_logit_softcapping") or 0.0),
+            "local_rope_theta": float(local_theta)}
+
+
+def _llama4_fields(cfg: dict) -> dict:
+    if "no_rope_layers" not in cfg:
+        return {}
+    tuning = cfg.get("attn_temperature_tuning", True)
+    return {"nope_layers": tuple(i for i, rope in enumerate(cfg["no_rope_layers"]) if not rope),
+            "nope_floor_scale": int(cfg.get("floor_scale", 8192)) if tuning else 0,
+            "nope_attn_scale": float(cfg.get("attn_scale", 0.1)) if tuning else 0.0,
+            "qk_l2_norm": bool(cfg.get("use_qk_norm", True)), "rope_interleave": True}  # complex-number rotary
 
 
 def _mla_fields(cfg: dict) -> dict:

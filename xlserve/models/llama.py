@@ -13,17 +13,18 @@ import torch
 from torch import nn
 
 from xlserve.kernels import cpu_ops
-from xlserve.layers.attention import AttentionMetadata, DecodePath, get_attention_backend
+from xlserve.layers.attention import AttentionMetadata, DecodePath, Window, get_attention_backend
 from xlserve.layers.embedding import Embedding
 from xlserve.layers.linear import Linear, MergedLinear, copy_checked, linear
 from xlserve.layers.mla import LatentAttention
 from xlserve.layers.mlp import MLP
 from xlserve.layers.moe import EXPERT_PARTS, SparseMoE
-from xlserve.layers.norm import RMSNorm
-from xlserve.layers.rotary import RotaryEmbedding
+from xlserve.layers.norm import RMSNorm, rms_norm
+from xlserve.layers.rotary import PositionEncoding, QueryTemperature, RotaryEmbedding
 from xlserve.models.arch import ModelArch
 
 _EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(\w+)\.weight")
+_ALL_EXPERTS = re.compile(r"(.*\.mlp)\.experts\.(gate_up_proj|down_proj)")  # Llama 4: one tensor for all
 # checkpoint projection name -> (fused module name, shard id)
 STACKED_PARAMS = {
     "q_proj": ("qkv_proj", "q"),
@@ -34,27 +35,40 @@ STACKED_PARAMS = {
 }
 
 
+def layer_window(arch: ModelArch, index: int) -> Window | None:
+    size = arch.layer_windows[index] if arch.layer_windows else 0
+    return Window(size, arch.chunked_attention) if size else None
+
+
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, arch: ModelArch, positional: PositionEncoding, qkv_bias: bool, qk_norm: bool, index: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(arch.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, qkv_bias)
         self.o_proj = Linear(q_size, arch.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if qk_norm else None
-        self.rotary = rotary
+        self.q_norm = rms_norm(self.head_dim, arch.rms_norm_eps, arch.gemma_norms) if qk_norm else None
+        self.k_norm = rms_norm(self.head_dim, arch.rms_norm_eps, arch.gemma_norms) if qk_norm else None
+        self.positional = positional
+        # Llama 4's rotary layers: queries and keys L2-normed (no weight) after the rotation
+        self.l2_norm = arch.qk_l2_norm and isinstance(positional, RotaryEmbedding)
+        # the C kernel rotates in place the rotate-half way, before nothing else touches q and k
+        self.rope_in_kernel = (isinstance(positional, RotaryEmbedding) and not positional.interleave
+                               and not qk_norm and not self.l2_norm)
+        self.window = layer_window(arch, index)
+        self.scale = arch.attention_scale or None
+        self.eps = arch.rms_norm_eps
         self.backend = get_attention_backend()
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.split = (q_size, kv_size, kv_size)
 
-    def forward(self, cos_sin, x: torch.Tensor, meta: AttentionMetadata,
+    def forward(self, tables, x: torch.Tensor, meta: AttentionMetadata,
                 project_out: bool = True) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
-        fused_rope = self.q_norm is None and meta.cpu_kernels
+        fused_rope = self.rope_in_kernel and meta.cpu_kernels
         if fused_rope:  # rotate in place, same rounding as eager; q and k below are views of the buffer
-            cpu_ops.rope_(qkv, self.num_heads, self.num_kv_heads, self.head_dim, *cos_sin)
+            cpu_ops.rope_(qkv, self.num_heads, self.num_kv_heads, self.head_dim, *tables)
         q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
@@ -62,24 +76,33 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if not fused_rope:
-            q, k = self.rotary(cos_sin, q, k)
-        out = self.backend.forward(q, k, v, self.kv_cache, meta).reshape(n, -1)
+            q, k = self.positional(tables, q, k)
+        if self.l2_norm:
+            q, k = _l2_norm(q, self.eps), _l2_norm(k, self.eps)
+        out = self.backend.forward(q, k, v, self.kv_cache, meta, self.window, self.scale).reshape(n, -1)
         return self.o_proj(out) if project_out else out
 
 
+def _l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    y = x.float()
+    return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool, index: int = 0):
+    def __init__(self, arch: ModelArch, positional: PositionEncoding, qkv_bias: bool, qk_norm: bool,
+                 index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LatentAttention(arch, rotary) if arch.kv_lora_rank else \
-            Attention(arch, rotary, qkv_bias, qk_norm)
+        self.self_attn = LatentAttention(arch, positional) if arch.kv_lora_rank else \
+            Attention(arch, positional, qkv_bias, qk_norm, index)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = SparseMoE(arch) if arch.sparse_layer(index) else MLP(arch.hidden_size, arch.intermediate_size)
+        self.mlp = SparseMoE(arch) if arch.sparse_layer(index) else \
+            MLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act)
 
-    def forward(self, cos_sin, x, meta):
+    def forward(self, tables, x, meta):
         if meta.decode_path is DecodePath.FUSED_LAYERS:
-            return self._forward_fused(cos_sin, x, meta)
-        x = x + self.self_attn(cos_sin, self.input_layernorm(x), meta)
+            return self._forward_fused(tables, x, meta)
+        x = x + self.self_attn(tables, self.input_layernorm(x), meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def one_call_fits(self, rows: int) -> bool:
@@ -104,12 +127,12 @@ class DecoderLayer(nn.Module):
                    *attn.kv_cache)
         return [t.data_ptr() if t is not None else 0 for t in tensors]
 
-    def _forward_fused(self, cos_sin, x, meta):
+    def _forward_fused(self, tables, x, meta):
         """The same layer on the fused decode kernels, a dozen calls instead of ~35 ops (more
         rows than the one-call path takes, or QK norms)."""
         attn, mlp = self.self_attn, self.mlp
         h = cpu_ops.rmsnorm(x, self.input_layernorm.weight, self.input_layernorm.eps)
-        x = linear(attn(cos_sin, h, meta, project_out=False), attn.o_proj.weight, None, residual=x)
+        x = linear(attn(tables, h, meta, project_out=False), attn.o_proj.weight, None, residual=x)
         h = cpu_ops.rmsnorm(x, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
         gate, up = linear(h, mlp.gate_up_proj.weight, None).chunk(2, dim=-1)
         # torch's vectorized SiLU beats the scalar kernel once there are several rows
@@ -117,24 +140,40 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, arch: ModelArch, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, arch: ModelArch, qkv_bias: bool, qk_norm: bool, layer_class: type = None):
         super().__init__()
-        self.rotary = rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
-                                               arch.rope_scaling_dict, arch.rope_interleave)
+        encodings = self._position_encodings(arch)
+        self.rotary = encodings[0]
         self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, rotary, qkv_bias, qk_norm, i)
+        self.embed_scale = arch.hidden_size ** 0.5 if arch.gemma_norms else None
+        self.layers = nn.ModuleList((layer_class or DecoderLayer)(arch, encodings[i], qkv_bias, qk_norm, i)
                                     for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.encodings = list({id(e): e for e in encodings}.values())  # each computes its tables once a step
+        self.norm = rms_norm(arch.hidden_size, arch.rms_norm_eps, arch.gemma_norms)
         # [layers, 9] addresses for the one-call decode; bind_kv_cache resets them
         self.layer_addresses: torch.Tensor | None = None
 
+    @staticmethod
+    def _position_encodings(arch: ModelArch) -> list[PositionEncoding]:
+        """Each layer's: the model's rotary; Gemma 3's windowed layers their own base, unscaled;
+        Llama 4's global layers no rotary, a query temperature instead."""
+        rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
+                                 arch.rope_scaling_dict, arch.rope_interleave)
+        local = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.local_rope_theta, {}) \
+            if arch.local_rope_theta else rotary
+        nope = QueryTemperature(arch.nope_floor_scale, arch.nope_attn_scale)
+        return [nope if i in arch.nope_layers else local if layer_window(arch, i) else rotary
+                for i in range(arch.num_layers)]
+
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)
-        cos_sin = self.rotary.cos_sin(positions, x.dtype)
+        if self.embed_scale is not None:  # Gemma: rounded to the activations' dtype first, as its reference
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        tables = {id(e): e.tables(positions, x.dtype) for e in self.encodings}
         if meta.decode_path is DecodePath.ONE_CALL:
-            return self.norm(self._decode_in_one_call(cos_sin, x, meta))
+            return self.norm(self._decode_in_one_call(tables[id(self.rotary)], x, meta))
         for layer in self.layers:
-            x = layer(cos_sin, x, meta)
+            x = layer(tables[id(layer.self_attn.positional)], x, meta)
         return self.norm(x)
 
     def _decode_in_one_call(self, cos_sin, x, meta):
@@ -155,6 +194,7 @@ class DecoderModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
+    layer_class = DecoderLayer
     stacked_params = STACKED_PARAMS  # checkpoint projections fused into one of our modules
     renames: dict[str, str] = {".block_sparse_moe.": ".mlp."}  # checkpoint name part -> ours
 
@@ -169,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: ModelArch):
         super().__init__()
         self.arch = arch
-        self.model = DecoderModel(arch, self.qkv_bias or arch.attention_bias, self.qk_norm)
+        self.model = DecoderModel(arch, self.qkv_bias or arch.attention_bias, self.qk_norm, self.layer_class)
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -185,7 +225,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.arch.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
@@ -203,7 +245,8 @@ class LlamaForCausalLM(nn.Module):
             if shard is None:
                 copy_checked(param, tensor, name)
             elif isinstance(module, SparseMoE):
-                module.load_expert(*shard, tensor)
+                loaded |= {(target, filled) for filled in module.load(shard, tensor)}
+                continue
             else:
                 module.load_shard(param, tensor, shard)
             loaded.add((target, shard))
@@ -238,6 +281,10 @@ def _param_name(name: str, stacked_params: dict) -> tuple[str, object]:
     if m:
         stacked, part = EXPERT_PARTS[m.group(3)]
         return f"{m.group(1)}.{stacked}", (int(m.group(2)), part)
+    m = _ALL_EXPERTS.fullmatch(name)
+    if m:
+        part = m.group(2).removesuffix("_proj")
+        return f"{m.group(1)}.{'w_gate_up' if part == 'gate_up' else 'w_down'}", (None, part)
     for proj, (fused, shard_id) in stacked_params.items():
         if f".{proj}." in name:
             return name.replace(f".{proj}.", f".{fused}."), shard_id

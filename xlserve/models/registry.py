@@ -9,7 +9,10 @@ from xlserve.models.arch import ModelArch
 
 MODEL_REGISTRY = {
     "DeepseekV3ForCausalLM": ("xlserve.models.deepseek", "DeepseekV3ForCausalLM"),  # also Kimi K2
+    "Gemma3ForCausalLM": ("xlserve.models.gemma3", "Gemma3ForCausalLM"),
     "LlamaForCausalLM": ("xlserve.models.llama", "LlamaForCausalLM"),
+    "Llama4ForCausalLM": ("xlserve.models.llama4", "Llama4ForCausalLM"),
+    "Llama4ForConditionalGeneration": ("xlserve.models.llama4", "Llama4ForCausalLM"),  # its language model
     "MistralForCausalLM": ("xlserve.models.llama", "LlamaForCausalLM"),
     "MixtralForCausalLM": ("xlserve.models.llama", "LlamaForCausalLM"),  # MoE layers from the config
     "Qwen2ForCausalLM": ("xlserve.models.qwen", "Qwen2ForCausalLM"),
