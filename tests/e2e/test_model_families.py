@@ -1,9 +1,11 @@
 """Model families served by real processes: a tiny DeepSeek-V3 (latent attention + routed and
-shared experts) split over prefill and decode workers answers exactly as one worker does."""
+shared experts) and a tiny Llama 4 (chunked-attention layer groups + experts) split over
+prefill and decode workers answer exactly as one worker does."""
 
 import json
 import shutil
 
+import pytest
 from openai import OpenAI
 
 from tests.e2e.server_process import metric, running_server
@@ -22,8 +24,9 @@ def _with_word_tokenizer(model_dir: str, dest) -> str:
     return str(dest)
 
 
-def test_disaggregated_moe_with_latent_attention_equals_colocated(tiny_model_dirs, tmp_path):
-    model = _with_word_tokenizer(tiny_model_dirs["deepseek_v3"], tmp_path / "deepseek")
+@pytest.mark.parametrize("arch", ["deepseek_v3", "llama4"])
+def test_disaggregated_equals_colocated(tiny_model_dirs, tmp_path, arch):
+    model = _with_word_tokenizer(tiny_model_dirs[arch], tmp_path / arch)
     prompts = [" ".join(f"t{i}" for i in range(start, start + 70)) for start in (20, 100, 200)]
     common = ("--model", model, "--log-level", "warning")
     answers = {}
@@ -34,6 +37,6 @@ def test_disaggregated_moe_with_latent_attention_equals_colocated(tiny_model_dir
                                                        max_tokens=24, temperature=0,
                                                        extra_body={"ignore_eos": True}).choices[0].text
                              for p in prompts]
-        assert metric(pd, "xlserve_kv_transfer_bytes_total") > 0  # the decode worker pulled latent blocks
+        assert metric(pd, "xlserve_kv_transfer_bytes_total") > 0  # the decode worker pulled the blocks
     assert answers["pd"] == answers["colocated"]
     assert all(len(text.split()) == 24 for text in answers["pd"])

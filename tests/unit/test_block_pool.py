@@ -50,12 +50,12 @@ def test_prefix_hit_shares_blocks_and_nothing_leaks():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     a = _req("a", list(range(10)))
     assert kv.allocate_slots(a, 10)
-    assert kv.block_ids("a") == [0, 1, 2]
+    assert kv.block_ids("a") == [[0, 1, 2]]  # one table: one layer group
     b = _req("b", list(range(8)) + [99, 98, 97])
     hits, n = kv.get_computed_blocks(b)
-    assert [h.block_id for h in hits] == [0, 1] and n == 8
+    assert [h.block_id for h in hits[0]] == [0, 1] and n == 8
     assert kv.allocate_slots(b, 3, hits)
-    assert kv.block_ids("b") == [0, 1, 3]
+    assert kv.block_ids("b") == [[0, 1, 3]]
     assert kv.pool.blocks[0].ref_cnt == 2
     kv.free(a)
     kv.free(b)
@@ -71,7 +71,7 @@ def test_full_prompt_hit_leaves_one_token_to_compute():
     assert kv.allocate_slots(a, 8)
     b = _req("b", list(range(8)))
     hits, n = kv.get_computed_blocks(b)
-    assert n == 4 and [h.block_id for h in hits] == [0]
+    assert n == 4 and [h.block_id for h in hits[0]] == [0]
 
 
 def test_allocation_failure_changes_nothing():

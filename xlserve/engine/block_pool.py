@@ -4,6 +4,9 @@ Invariants:
 - a block is in the free queue iff its ref_cnt is 0;
 - a block with a hash is findable through ``cached`` until it is handed out again;
 - free blocks are reused least-recently-freed first, so recently used prefixes stay longest.
+
+Layer groups (``engine/kv_groups.py``) share the pool; a cached block is found by its
+group and hash (group 0's by the hash alone: those are the ones KV events announce).
 """
 
 from __future__ import annotations
@@ -14,12 +17,18 @@ from dataclasses import dataclass
 from xlserve.engine.kv_events import KVEventLog
 from xlserve.hashing import BlockHash
 
+CacheKey = BlockHash | tuple  # group 0: the hash; group g: (g, hash)
+
+
+def cache_key(block_hash: BlockHash, group: int = 0) -> CacheKey:
+    return block_hash if group == 0 else (group, block_hash)
+
 
 @dataclass
 class KVBlock:
     block_id: int
     ref_cnt: int = 0
-    block_hash: BlockHash | None = None
+    block_hash: CacheKey | None = None
 
 
 class BlockPool:
@@ -30,7 +39,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[BlockHash, KVBlock] = {}
+        self.cached: dict[CacheKey, KVBlock] = {}
         self.events = KVEventLog()
 
     @property
@@ -41,8 +50,8 @@ class BlockPool:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free_queue)
 
-    def lookup(self, block_hash: BlockHash) -> KVBlock | None:
-        return self.cached.get(block_hash)
+    def lookup(self, block_hash: BlockHash, group: int = 0) -> KVBlock | None:
+        return self.cached.get(cache_key(block_hash, group))
 
     def allocate(self, n: int) -> list[KVBlock]:
         if n > len(self.free_queue):
@@ -73,20 +82,23 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = None
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
+    def cache_block(self, block: KVBlock, block_hash: BlockHash, group: int = 0) -> None:
+        key = cache_key(block_hash, group)
         if not self.enable_caching or block.block_hash is not None:
             return
-        if block_hash in self.cached:  # same content computed twice: keep the first copy
+        if key in self.cached:  # same content computed twice: keep the first copy
             return
-        block.block_hash = block_hash
-        self.cached[block_hash] = block
-        self.events.stored(block_hash)
+        block.block_hash = key
+        self.cached[key] = block
+        if group == 0:
+            self.events.stored(block_hash)
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
-                self.events.removed(block.block_hash)
+                if not isinstance(block.block_hash, tuple):
+                    self.events.removed(block.block_hash)
             block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:

@@ -3,7 +3,9 @@ prefill/decode disaggregation and of KV tiers).
 
 Export reads the longest cached prefix of a hash chain; import writes blocks into free
 slots of the pool and publishes them in the prefix cache, so the next request with that
-prefix gets a prefix hit and computes only the rest. Pins hold exported blocks for a
+prefix gets a prefix hit and computes only the rest. With layer groups
+(``engine/kv_groups.py``) a prefix of n blocks travels as group 0's n blocks followed by
+each windowed group's blocks inside the window at the prefix's end. Pins hold exported blocks for a
 bounded time so they cannot be evicted before a peer pulls them, and a pin is a
 capability: only a caller holding its random secret can read its blocks, and only
 those (block hashes come from token ids, so serving bare hashes would let anyone who
@@ -23,7 +25,9 @@ import numpy as np
 import torch
 
 from xlserve.engine.block_pool import BlockPool, KVBlock
+from xlserve.engine.kv_groups import KVGroup
 from xlserve.hashing import BlockHash
+from xlserve.layers.window import Window
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
@@ -33,8 +37,9 @@ MAX_PIN_SECONDS = 600.0
 @dataclass(frozen=True)
 class KVLayout:
     """What a block's bytes mean; two engines exchange blocks only if their layouts match.
-    Each layer keeps ``parts`` tensors of [num_kv_heads, head_dim] per token
-    (``ModelArch.kv_cache_spec``: K and V; or one MLA latent entry)."""
+    A block holds ``num_layers`` layer slots of ``parts`` tensors of [num_kv_heads, head_dim]
+    per token (``ModelArch.kv_cache_spec``: K and V; or one MLA latent entry); ``windows``:
+    (size, chunked) of each layer group after the first."""
     num_layers: int
     block_size: int
     num_kv_heads: int
@@ -42,11 +47,23 @@ class KVLayout:
     dtype: str
     model_key: str  # hex of the engine's extra key (model + dtype)
     parts: int = 2
+    windows: tuple = ()
+
+    def __post_init__(self):  # JSON brings lists
+        object.__setattr__(self, "windows", tuple(tuple(w) for w in self.windows))
 
     @property
     def block_bytes(self) -> int:
         itemsize = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
         return self.num_layers * self.parts * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    def window_starts(self, num_blocks: int) -> list[int]:
+        """The first block each windowed group keeps for a prefix of ``num_blocks`` blocks."""
+        end = num_blocks * self.block_size
+        return [Window(size, chunked).first_key(end) // self.block_size for size, chunked in self.windows]
+
+    def payload_blocks(self, num_blocks: int) -> int:
+        return num_blocks + sum(num_blocks - first for first in self.window_starts(num_blocks))
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -56,13 +73,15 @@ class KVLayout:
 class KVPayload:
     layout: KVLayout
     block_hashes: list[BlockHash]
-    data: bytes  # [blocks, layers, parts, block_size, kv_heads, head_dim] in layout.dtype
+    # [blocks, layer slots, parts, block_size, kv_heads, head_dim] in layout.dtype: group 0's
+    # blocks, then each windowed group's (``KVLayout.window_starts``)
+    data: bytes
 
     def __repr__(self) -> str:
         return f"KVPayload({len(self.block_hashes)} blocks, {len(self.data)} bytes, {self.layout})"
 
     def __post_init__(self):
-        expected = len(self.block_hashes) * self.layout.block_bytes
+        expected = self.layout.payload_blocks(len(self.block_hashes)) * self.layout.block_bytes
         if len(self.data) != expected:
             raise ValueError(f"KV payload has {len(self.data)} bytes; {len(self.block_hashes)} blocks of this "
                              f"layout need {expected}")
@@ -70,7 +89,7 @@ class KVPayload:
 
 @dataclass
 class Pin:
-    blocks: list[KVBlock]
+    blocks: list[list[KVBlock]]  # per group: group 0's prefix, each windowed group's window at its end
     expires: float
     secret: str  # 128 random bits, hex: whoever holds it may read these blocks
 
@@ -85,22 +104,30 @@ class PinGrant:
 @dataclass
 class KVBlockStore:
     pool: BlockPool
-    kv_caches: list[tuple[torch.Tensor, ...]]
+    kv_caches: list[tuple[torch.Tensor, ...]]  # the pool's tensors: one tuple of parts per layer slot
     layout: KVLayout
+    groups: tuple[KVGroup, ...] = (KVGroup(None, ()),)
     pins: dict[str, Pin] = field(default_factory=dict)
 
     def _views(self):
         bs, hk, d = self.layout.block_size, self.layout.num_kv_heads, self.layout.head_dim
-        return [tuple(part.view(-1, bs, hk, d) for part in layer) for layer in self.kv_caches]
+        return [tuple(part.view(-1, bs, hk, d) for part in slot) for slot in self.kv_caches]
 
-    def cached_prefix(self, hashes: list[BlockHash]) -> list[KVBlock]:
-        blocks = []
+    def cached_prefix(self, hashes: list[BlockHash]) -> list[list[KVBlock]]:
+        """The longest prefix of ``hashes`` cached in every group: group 0's blocks, then each
+        windowed group's blocks inside the window at the prefix's end."""
+        full = []
         for h in hashes:
             block = self.pool.lookup(h)
             if block is None:
                 break
-            blocks.append(block)
-        return blocks
+            full.append(block)
+        for n in range(len(full), -1, -1):
+            windows = [[self.pool.lookup(h, g) for h in hashes[first:n]]
+                       for g, first in enumerate(self.layout.window_starts(n), start=1)]
+            if all(None not in w for w in windows):
+                return [full[:n], *windows]
+        return [[] for _ in self.groups]
 
     def export_pinned(self, pin_id: str, secret: str, hashes: list[BlockHash]) -> KVPayload:
         """The blocks of pin ``pin_id`` named by ``hashes`` (a prefix of the pin), for the
@@ -108,71 +135,98 @@ class KVBlockStore:
         pin = self.pins.get(pin_id)
         if pin is None or not hmac.compare_digest(pin.secret.encode(), str(secret).encode()):
             raise PermissionError("no pin with that id and secret (expired, released or never granted)")
-        pinned = [b.block_hash for b in pin.blocks]
-        if list(hashes) != pinned[:len(hashes)]:
-            raise PermissionError(f"the blocks asked for are not the first {len(hashes)} of the pin's "
-                                  f"{len(pinned)}")
-        return self._export(pin.blocks[:len(hashes)])
+        pinned = [b.block_hash for b in pin.blocks[0]]
+        n = len(hashes)
+        if list(hashes) != pinned[:n]:
+            raise PermissionError(f"the blocks asked for are not the first {n} of the pin's {len(pinned)}")
+        groups = [pin.blocks[0][:n]]
+        for g, first in enumerate(self.layout.window_starts(n), start=1):
+            held = {b.block_hash: b for b in pin.blocks[g]}
+            window = [held.get((g, h)) for h in hashes[first:n]]
+            if None in window:
+                raise PermissionError(f"the pin does not hold layer group {g}'s window for the first {n} blocks")
+            groups.append(window)
+        return self._export(groups, list(hashes))
 
     def export(self, hashes: list[BlockHash]) -> KVPayload:
         """The longest cached prefix of ``hashes`` (possibly empty); local use only."""
-        return self._export(self.cached_prefix(hashes))
+        groups = self.cached_prefix(hashes)
+        return self._export(groups, list(hashes[:len(groups[0])]))
 
-    def _export(self, blocks: list[KVBlock]) -> KVPayload:
+    def _export(self, groups: list[list[KVBlock]], hashes: list[BlockHash]) -> KVPayload:
+        blocks = [b for group in groups for b in group]
         if not blocks:
             return KVPayload(self.layout, [], b"")
         ids = torch.tensor([b.block_id for b in blocks], device=self.kv_caches[0][0].device)
-        layers = [torch.stack([part[ids] for part in layer], dim=1) for layer in self._views()]  # [n, parts, ...]
-        data = torch.stack(layers, dim=1).contiguous().cpu()  # [n, layers, parts, bs, hk, d]
+        slots = [torch.stack([part[ids] for part in slot], dim=1) for slot in self._views()]  # [n, parts, ...]
+        data = torch.stack(slots, dim=1).contiguous().cpu()  # [n, slots, parts, bs, hk, d]
         raw = data.view(torch.int16) if data.dtype in (torch.bfloat16, torch.float16) else data
-        return KVPayload(self.layout, [b.block_hash for b in blocks], raw.numpy().tobytes())
+        return KVPayload(self.layout, hashes, raw.numpy().tobytes())
 
     def import_(self, payload: KVPayload) -> int:
         """Write the payload's blocks into free slots and publish them; returns how many of its
-        leading blocks are now cached here (stops early if the pool has no free block)."""
+        leading blocks are now cached here in every group (fewer when the pool is short)."""
         if payload.layout != self.layout:
             raise ValueError(f"KV layout mismatch: got {payload.layout}, this engine has {self.layout}")
+        hashes = payload.block_hashes
+        n = len(hashes)
+        while n and self._blocks_missing(hashes, n) > self.pool.num_free_blocks:
+            n -= 1
+        placed = self._placements(len(hashes))
         views = self._views()
-        dtype = DTYPES[self.layout.dtype]
-        block_bytes = self.layout.block_bytes
-        shape = (self.layout.num_layers, self.layout.parts, self.layout.block_size, self.layout.num_kv_heads,
-                 self.layout.head_dim)
         held: list[KVBlock] = []  # referenced until the end, so a later block never evicts an earlier one
-        imported = 0
-        for i, block_hash in enumerate(payload.block_hashes):
-            block = self.pool.lookup(block_hash)
-            if block is not None:
-                self.pool.touch([block])
-            elif self.pool.num_free_blocks == 0:
-                break
-            else:
-                block = self.pool.allocate(1)[0]
-                raw = np.frombuffer(payload.data, dtype=np.uint8, count=block_bytes, offset=i * block_bytes)
-                data = torch.from_numpy(raw.copy()).view(dtype).view(shape)
-                for layer, parts in enumerate(views):
-                    for index, part in enumerate(parts):
-                        part[block.block_id].copy_(data[layer, index])
-                self.pool.cache_block(block, block_hash)
-            held.append(block)
-            imported = i + 1
+        for row, (group, index) in enumerate(placed):
+            if index >= n or index < self._first(group, n):
+                continue
+            held.append(self._import_block(payload, views, row, group, hashes[index]))
         self.pool.free(list(reversed(held)))  # cached and evictable, like a finished request's blocks
-        return imported
+        return n
+
+    def _first(self, group: int, n: int) -> int:
+        return self.layout.window_starts(n)[group - 1] if group else 0
+
+    def _placements(self, n: int) -> list[tuple[int, int]]:
+        """(group, block index) of each block of a payload of ``n`` blocks, in order."""
+        rows = [(0, i) for i in range(n)]
+        for g, first in enumerate(self.layout.window_starts(n), start=1):
+            rows += [(g, i) for i in range(first, n)]
+        return rows
+
+    def _blocks_missing(self, hashes: list[BlockHash], n: int) -> int:
+        return sum(1 for g in range(len(self.groups)) for h in hashes[self._first(g, n):n]
+                   if self.pool.lookup(h, g) is None)
+
+    def _import_block(self, payload: KVPayload, views, row: int, group: int, block_hash: BlockHash) -> KVBlock:
+        block = self.pool.lookup(block_hash, group)
+        if block is not None:
+            self.pool.touch([block])
+            return block
+        block = self.pool.allocate(1)[0]
+        size, layout = self.layout.block_bytes, self.layout
+        raw = np.frombuffer(payload.data, dtype=np.uint8, count=size, offset=row * size)
+        data = torch.from_numpy(raw.copy()).view(DTYPES[layout.dtype]).view(
+            layout.num_layers, layout.parts, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        for slot, parts in enumerate(views):
+            for index, part in enumerate(parts):
+                part[block.block_id].copy_(data[slot, index])
+        self.pool.cache_block(block, block_hash, group)
+        return block
 
     def pin(self, hashes: list[BlockHash], seconds: float) -> PinGrant:
         """Hold the cached prefix of ``hashes`` for at most ``seconds``."""
         if not 0 < seconds <= MAX_PIN_SECONDS:
             raise ValueError(f"pin time must be in (0, {MAX_PIN_SECONDS}] seconds, got {seconds}")
-        blocks = self.cached_prefix(hashes)
-        self.pool.touch(blocks)
-        grant = PinGrant(uuid.uuid4().hex, secrets.token_hex(16), [b.block_hash for b in blocks])
-        self.pins[grant.pin_id] = Pin(blocks, time.monotonic() + seconds, grant.secret)
+        groups = self.cached_prefix(hashes)
+        self.pool.touch([b for group in groups for b in group])
+        grant = PinGrant(uuid.uuid4().hex, secrets.token_hex(16), [b.block_hash for b in groups[0]])
+        self.pins[grant.pin_id] = Pin(groups, time.monotonic() + seconds, grant.secret)
         return grant
 
     def unpin(self, pin_id: str) -> bool:
         pin = self.pins.pop(pin_id, None)
         if pin is None:
             return False
-        self.pool.free(list(reversed(pin.blocks)))
+        self.pool.free([b for group in pin.blocks for b in reversed(group)])
         return True
 
     def expire_pins(self, now: float | None = None) -> int:

@@ -1,6 +1,7 @@
 """Per-request KV blocks on top of the block pool: prefix-cache lookup, slot allocation,
-free; and the pool's one owner: blocks leave and enter it by hash (export, import, pins)
-only through here."""
+free, one block table per layer group (windowed groups free what left their window); and
+the pool's one owner: blocks leave and enter it by hash (export, import, pins) only
+through here."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from xlserve.engine.block_pool import BlockPool, KVBlock
 from xlserve.engine.kv_blocks import KVBlockStore, KVLayout, KVPayload, PinGrant
+from xlserve.engine.kv_groups import KVGroup
 from xlserve.engine.request import Request
 from xlserve.hashing import BlockHash
 
@@ -25,11 +27,13 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 groups: tuple[KVGroup, ...] = (KVGroup(None, ()),)):
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.groups = groups  # layer groups (engine/kv_groups.py); group 0 keeps every token
         self.pool = BlockPool(num_blocks, enable_caching)
-        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_blocks: dict[str, list[list[KVBlock | None]]] = {}  # request -> one table per group
         self.num_hashed_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
         self._by_hash: KVBlockStore | None = None
@@ -37,7 +41,7 @@ class KVCacheManager:
     # -- blocks by hash (disaggregation, tiers) ---------------------------------------
     def attach(self, kv_caches: list[tuple[torch.Tensor, ...]], layout: KVLayout) -> None:
         """The tensors behind the pool's blocks (the model runner allocates them)."""
-        self._by_hash = KVBlockStore(self.pool, kv_caches, layout)
+        self._by_hash = KVBlockStore(self.pool, kv_caches, layout, self.groups)
 
     @property
     def layout(self) -> KVLayout:
@@ -68,7 +72,7 @@ class KVCacheManager:
 
     def events_since(self, since: int, epoch: str) -> dict:
         """Block-hash events (stored / removed) after ``since``, or a snapshot."""
-        return self.pool.events.since(since, epoch, lambda: list(self.pool.cached))
+        return self.pool.events.since(since, epoch, lambda: [k for k in self.pool.cached if not isinstance(k, tuple)])
 
     @property
     def num_used_blocks(self) -> int:
@@ -78,60 +82,93 @@ class KVCacheManager:
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
-        """Longest cached prefix of the request, in whole blocks. At least one token is
-        always left to compute, since the last position's logits are needed."""
+    # -- a request's blocks, one table per layer group ---------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[list], int]:
+        """Longest cached prefix of the request, in whole blocks, as each group's hits: group
+        0's blocks, and for a windowed group its blocks inside the window at the prefix's end
+        (None before it). At least one token is always left to compute, since the last
+        position's logits are needed."""
         if not self.enable_caching:
-            return [], 0
+            return [[] for _ in self.groups], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits = []
+        full = []
         for block_hash in request.block_hashes[:max_blocks]:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+            full.append(block)
+        for hit in range(len(full), -1, -1):  # the longest prefix whose windows are cached too
+            windows = [self._window_hits(g, request.block_hashes, hit) for g in range(1, len(self.groups))]
+            if all(w is not None for w in windows):
+                return [full[:hit], *windows], hit * self.block_size
+        return [[] for _ in self.groups], 0
+
+    def _window_hits(self, group: int, hashes: list[BlockHash], hit: int) -> list | None:
+        first = self.groups[group].first_block(hit * self.block_size, self.block_size)
+        blocks = [self.pool.lookup(h, group) for h in hashes[first:hit]]
+        return None if None in blocks else [None] * first + blocks
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.stats.queried_tokens += num_tokens
         self.stats.hit_tokens += num_hit_tokens
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVBlock] = ()) -> bool:
-        """Make room for ``num_new_tokens`` beyond the computed ones; False if the pool is short."""
-        blocks = self.req_blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+    def allocate_slots(self, request: Request, num_new_tokens: int, new_computed_blocks: list[list] = ()) -> bool:
+        """Make room for ``num_new_tokens`` beyond the computed ones (``new_computed_blocks``:
+        prefix hits from ``get_computed_blocks``); False if the pool is short. Blocks a
+        windowed group no longer reads are freed first."""
+        tables = self.req_blocks.setdefault(request.request_id, [[] for _ in self.groups])
+        hits = list(new_computed_blocks) or [[] for _ in self.groups]
+        num_computed = request.num_computed_tokens + len(hits[0]) * self.block_size
         total = num_computed + num_new_tokens
-        need = -(-total // self.block_size) - len(blocks) - len(new_computed_blocks)
-        reclaimed = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if need > self.pool.num_free_blocks - reclaimed:
-            if not blocks:
+        self._free_outside_windows(tables, num_computed)
+        blocks_needed = -(-total // self.block_size)
+        need = sum(max(blocks_needed - max(len(t) + len(h), group.first_block(num_computed, self.block_size)), 0)
+                   for t, h, group in zip(tables, hits, self.groups))
+        fresh = [b for group_hits in hits for b in group_hits if b is not None]
+        if need > self.pool.num_free_blocks - sum(1 for b in fresh if b.ref_cnt == 0):
+            if not any(tables):
                 del self.req_blocks[request.request_id]
             return False
-        self.pool.touch(list(new_computed_blocks))
-        blocks.extend(new_computed_blocks)
-        if need > 0:
-            blocks.extend(self.pool.allocate(need))
-        self._cache_full_blocks(request, blocks, total)
+        self.pool.touch(fresh)
+        for g, (table, group_hits) in enumerate(zip(tables, hits)):
+            table.extend(group_hits)
+            first = self.groups[g].first_block(num_computed, self.block_size)
+            while len(table) < first:  # a window that starts past the table's end (chunked layers)
+                table.append(None)
+            if blocks_needed > len(table):
+                table.extend(self.pool.allocate(blocks_needed - len(table)))
+        self._cache_full_blocks(request, tables, total)
         return True
 
-    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+    def _free_outside_windows(self, tables: list[list], position: int) -> None:
+        for g in range(1, len(self.groups)):
+            table = tables[g]
+            first = min(self.groups[g].first_block(position, self.block_size), len(table))
+            gone = [b for b in table[:first] if b is not None]
+            table[:first] = [None] * first
+            self.pool.free(list(reversed(gone)))
+
+    def _cache_full_blocks(self, request: Request, tables: list[list], num_tokens: int) -> None:
         # Blocks are published as soon as this step will have filled them: another
         # request that hits them in the same step reads them after they are written,
         # since attention writes every new K/V before it reads any.
         start = self.num_hashed_blocks.get(request.request_id, 0)
         end = min(num_tokens // self.block_size, len(request.block_hashes))
-        for i in range(start, end):
-            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        for g, table in enumerate(tables):
+            for i in range(start, end):
+                if table[i] is not None:
+                    self.pool.cache_block(table[i], request.block_hashes[i], g)
         self.num_hashed_blocks[request.request_id] = max(start, end)
 
     def free(self, request: Request) -> None:
-        blocks = self.req_blocks.pop(request.request_id, [])
+        tables = self.req_blocks.pop(request.request_id, [])
         self.num_hashed_blocks.pop(request.request_id, None)
-        self.pool.free(list(reversed(blocks)))
+        for table in tables:
+            self.pool.free([b for b in reversed(table) if b is not None])
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+    def block_ids(self, request_id: str) -> list[list[int]]:
+        """Each group's block ids; -1 where a windowed group freed the block."""
+        return [[b.block_id if b is not None else -1 for b in table] for table in self.req_blocks.get(request_id, [])]
 
     @property
     def usage(self) -> float:

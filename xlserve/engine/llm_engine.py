@@ -18,6 +18,7 @@ from xlserve.engine.detokenizer import Detokenizer
 from xlserve.engine.errors import FATAL_ERRORS, describe
 from xlserve.engine.guided import GuidedDecoding
 from xlserve.engine.kv_blocks import DTYPE_NAMES, KVLayout
+from xlserve.engine.kv_groups import plan_groups
 from xlserve.engine.model_runner import ModelRunner, RunnerOutput
 from xlserve.engine.outputs import CompletionOutput, RequestOutput
 from xlserve.engine.request import FinishReason, HandOff, Request
@@ -43,7 +44,9 @@ class LLMEngine:
                                  arch.max_position_embeddings)
         self.block_size = config.cache.block_size
         self.num_blocks = config.cache.total_blocks(pool_bytes_per_token(arch, self.loaded.dtype.itemsize))
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.max_model_len)
+        self.kv_plan = plan_groups(arch)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.max_model_len,
+                                   self.kv_plan.groups)
         self.guided = GuidedDecoding(self.tokenizer, arch.vocab_size) if self.tokenizer else None
         self.runner = ModelRunner(self.loaded, self.num_blocks, self.block_size, self.guided,
                                   config.model.cuda_graphs, self.max_model_len)
@@ -54,8 +57,8 @@ class LLMEngine:
         self.kv = self.scheduler.kv  # the pool's one owner; the engine goes through it
         spec = arch.kv_cache_spec
         self.kv.attach(self.runner.kv_caches, KVLayout(
-            arch.num_layers, self.block_size, spec.heads, spec.dim, DTYPE_NAMES[self.loaded.dtype],
-            self.extra_key.hex(), spec.parts))
+            self.kv_plan.width, self.block_size, spec.heads, spec.dim, DTYPE_NAMES[self.loaded.dtype],
+            self.extra_key.hex(), spec.parts, self.kv_plan.windows()))
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else set()
         self._detokenizers: dict[str, Detokenizer | None] = {}
         self.num_steps = 0

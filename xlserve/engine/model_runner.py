@@ -14,6 +14,7 @@ from xlserve.engine.cuda_graph import DecodeGraphs
 from xlserve.engine.decode_plan import DecodePath, StepShape, plan_decode
 from xlserve.engine.errors import FATAL_ERRORS, RequestError, describe
 from xlserve.engine.guided import GuidedDecoding
+from xlserve.engine.kv_groups import KVGroup, plan_groups
 from xlserve.engine.sampler import Sampler
 from xlserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from xlserve.kernels import cpu_ops
@@ -46,13 +47,17 @@ class ModelRunner:
         # one more block than the pool hands out: the scratch block that padding rows of a
         # CUDA graph write to
         spec = self.kv_spec = arch.kv_cache_spec
+        self.kv_plan = plan_groups(arch)
         shape = (num_slots + block_size, spec.heads, spec.dim)
-        # torch.empty: pages of an untouched pool are never faulted in on the CPU.
+        # One tensor per part and layer slot of a block (every layer, unless windowed layer
+        # groups share the slots: engine/kv_groups.py). torch.empty: pages of an untouched
+        # pool are never faulted in on the CPU.
         self.kv_caches = [tuple(torch.empty(shape, dtype=loaded.dtype, device=self.device) for _ in range(spec.parts))
-                          for _ in range(arch.num_layers)]
-        self.model.bind_kv_cache(self.kv_caches)
+                          for _ in range(self.kv_plan.width)]
+        placement = self.kv_plan.placement(arch.num_layers)
+        self.model.bind_kv_cache([self.kv_caches[slot] for _, slot in placement], [g for g, _ in placement])
         itemsize = torch.empty((), dtype=loaded.dtype).element_size()
-        self.kv_bytes = num_slots * spec.bytes_per_token(arch.num_layers, itemsize)
+        self.kv_bytes = num_slots * spec.bytes_per_token(self.kv_plan.width, itemsize)
         self.fused_shapes = cpu_ops.supports_shape(arch.num_heads, arch.num_kv_heads, arch.head_dim)
         # a model that does not say which features it uses may use all of them: no fast CPU path
         self.features = getattr(self.model, "features", FEATURES)
@@ -61,7 +66,7 @@ class ModelRunner:
         self.guided = guided
         self.matchers: dict[str, object] = {}  # request id -> grammar matcher
         self.graphs = None
-        if cuda_graphs and self.device.type == "cuda":
+        if cuda_graphs and self.device.type == "cuda" and not self.kv_plan.windowed:  # graphs read group 0 only
             self.graphs = DecodeGraphs(self.model, self.device, block_size, num_blocks,
                                        max_context or arch.max_position_embeddings)
 
@@ -118,6 +123,38 @@ class ModelRunner:
             self._decode_metadata(meta, decode)
         # rows in batch order: decode rows carry one slot each, at their place among the chunks
         meta.slot_mapping = self._ordered_slots(scheduled, slot_parts, meta).to(self.device)
+        for g, group in enumerate(self.kv_plan.groups[1:], start=1):
+            meta.groups[g] = self._window_metadata(scheduled, g, group, meta)
+        return meta
+
+    def _window_metadata(self, scheduled: list[ScheduledRequest], g: int, group: KVGroup,
+                         base: AttentionMetadata) -> AttentionMetadata:
+        """A windowed layer group's metadata: its own table, contexts from the window's first
+        position (the blocks before it are freed), and decode rows over their window only."""
+        window, slots, prefills, decode = group.window, [], [], []
+        row = 0
+        for s in scheduled:
+            table, n, start = s.window_block_ids[g - 1], len(s.token_ids), s.start_position
+            slots.append(self._slots(table, start, start + n))
+            if n == 1:
+                first = window.first_key(start)
+                decode.append((self._slots(table, first, start + 1), start + 1 - first))
+            else:
+                first = window.first_key(start)
+                context = None if start == 0 else self._slots(table, first, start + n).to(self.device)
+                prefills.append(PrefillChunk(row, row + n, context, context_start=first))
+            row += n
+        meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(self.device), prefills=prefills,
+                                 decode_rows=base.decode_rows, decode_lens=base.decode_lens)
+        if decode:
+            width = max(count for _, count in decode)
+            own = [context[-1] for context, _ in decode]  # padding reads the row's own new slot
+            table = torch.stack([torch.cat((c, own[i].repeat(width - len(c)))) for i, (c, _) in enumerate(decode)])
+            real = torch.arange(width).unsqueeze(0) < torch.tensor([count for _, count in decode]).unsqueeze(1)
+            meta.decode_slots = table.to(self.device)
+            meta.decode_mask = additive_mask(real.view(len(decode), 1, 1, width).to(self.device),
+                                             self.kv_caches[0][0].dtype)
+            meta.window_masks[window] = meta.decode_mask  # every slot listed is inside the window
         return meta
 
     def _decode_metadata(self, meta: AttentionMetadata, decode: list) -> None:

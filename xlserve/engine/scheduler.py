@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from xlserve.config import CacheConfig, SchedulerConfig
 from xlserve.engine.kv_cache_manager import KVCacheManager
+from xlserve.engine.kv_groups import KVGroup
 from xlserve.engine.request import FinishReason, Request, RequestStatus
 from xlserve.sampling_params import SamplingParams
 
@@ -23,13 +24,14 @@ class ScheduledRequest:
     request_id: str
     token_ids: list[int]  # the tokens to compute this step
     start_position: int  # == num_computed_tokens before the step
-    block_ids: list[int]
+    block_ids: list[int]  # KV layer group 0's table
     sample: bool  # the chunk reaches the last known token: sample the next one
     params: SamplingParams
     seed: int | None
     output_index: int  # how many output tokens precede the one this step samples
     prompt_token_ids: list[int] | None = None  # only when penalties need the history
     output_token_ids: list[int] | None = None
+    window_block_ids: tuple[list[int], ...] = ()  # windowed groups' tables (-1: freed, outside the window)
 
 
 @dataclass(frozen=True)
@@ -40,10 +42,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int,
+                 kv_groups: tuple[KVGroup, ...] = (KVGroup(None, ()),)):
         self.config = config
         self.max_model_len = max_model_len
-        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, kv_groups)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -119,9 +122,10 @@ class Scheduler:
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
         penalties = req.params.has_penalties
+        tables = self.kv.block_ids(req.request_id)
         return ScheduledRequest(
             request_id=req.request_id, token_ids=req.all_token_ids[start:start + n],
-            start_position=start, block_ids=self.kv.block_ids(req.request_id),
+            start_position=start, block_ids=tables[0], window_block_ids=tuple(tables[1:]),
             sample=start + n == req.num_tokens, params=req.params, seed=req.params.seed,
             output_index=req.num_output_tokens,
             prompt_token_ids=req.prompt_token_ids if penalties else None,

@@ -17,6 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from xlserve.kernels import cpu_ops
+from xlserve.layers.window import Window
+
+__all__ = ["AttentionMetadata", "DecodePath", "PrefillChunk", "Window", "get_attention_backend"]
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -57,24 +60,7 @@ class PrefillChunk:
     end: int
     context_slots: torch.Tensor | None = None  # [C] slots of the whole context; None: no cached prefix
     prefix_first_slot: int | None = None  # the cached prefix is slots [this, this + C - n) when not None
-
-
-@dataclass(frozen=True)
-class Window:
-    """The earlier tokens a query sees in a windowed layer: the last ``size`` positions, itself
-    included (sliding: Gemma 3, gpt-oss), or those of its own aligned chunk of ``size``
-    (chunked: Llama 4) — the masks transformers builds for these layers."""
-    size: int
-    chunked: bool = False
-
-    def allows(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """Boolean [.., Q, K] for broadcastable query and key positions (causal included)."""
-        near = (k_pos // self.size == q_pos // self.size) if self.chunked else (k_pos > q_pos - self.size)
-        return (k_pos <= q_pos) & near
-
-    def first_key(self, q_pos: int) -> int:
-        """The earliest key position any query at ``q_pos`` or later sees."""
-        return (q_pos // self.size) * self.size if self.chunked else max(q_pos - self.size + 1, 0)
+    context_start: int = 0  # position of context_slots[0] (a windowed layer group's table starts later)
 
 
 class DecodePath(str, enum.Enum):
@@ -97,6 +83,7 @@ class AttentionMetadata:
     decode_path: DecodePath = DecodePath.EAGER  # chosen once per step (engine/decode_plan.py)
     prefills: list[PrefillChunk] = field(default_factory=list)
     window_masks: dict = field(default_factory=dict)  # Window -> decode mask, built once per step
+    groups: dict = field(default_factory=dict)  # KV layer group -> its own metadata (engine/kv_groups.py)
 
     @property
     def fused_decode(self) -> bool:
@@ -172,10 +159,10 @@ def _windowed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, met
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.end)
         slots = chunk.context_slots if chunk.context_slots is not None else meta.slot_mapping[rows]
-        n, context = chunk.end - chunk.start, len(slots)
-        first = window.first_key(context - n)
-        positions = torch.arange(context, device=q.device)
-        allowed = window.allows(positions[context - n:, None], positions[None, first:])
+        n, start, end = chunk.end - chunk.start, chunk.context_start, chunk.context_start + len(slots)
+        first = window.first_key(end - n) - start  # index into slots
+        positions = torch.arange(start, end, device=q.device)
+        allowed = window.allows(positions[len(slots) - n:, None], positions[None, first:])
         keys, values = k_cache[slots[first:]], v_cache[slots[first:]]
         o = F.scaled_dot_product_attention(_heads_first(q[rows]), _heads_first(keys), _heads_first(values),
                                            attn_mask=additive_mask(allowed, q.dtype), enable_gqa=True, scale=scale)

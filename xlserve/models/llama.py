@@ -58,6 +58,7 @@ class Attention(nn.Module):
         self.window = layer_window(arch, index)
         self.scale = arch.attention_scale or None
         self.eps = arch.rms_norm_eps
+        self.kv_group = 0  # its KV layer group (bind_kv_cache): which block table it reads
         self.backend = get_attention_backend()
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.split = (q_size, kv_size, kv_size)
@@ -79,6 +80,7 @@ class Attention(nn.Module):
             q, k = self.positional(tables, q, k)
         if self.l2_norm:
             q, k = _l2_norm(q, self.eps), _l2_norm(k, self.eps)
+        meta = meta.groups.get(self.kv_group, meta)
         out = self.backend.forward(q, k, v, self.kv_cache, meta, self.window, self.scale).reshape(n, -1)
         return self.o_proj(out) if project_out else out
 
@@ -214,10 +216,12 @@ class LlamaForCausalLM(nn.Module):
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def bind_kv_cache(self, caches: list[tuple[torch.Tensor, ...]]) -> None:
-        """Each layer's cache tensors (``ModelArch.kv_cache_spec``: K and V, or MLA's latent)."""
-        for layer, cache in zip(self.model.layers, caches, strict=True):
+    def bind_kv_cache(self, caches: list[tuple[torch.Tensor, ...]], groups: list[int] | None = None) -> None:
+        """Each layer's cache tensors (``ModelArch.kv_cache_spec``: K and V, or MLA's latent)
+        and KV layer group (``engine/kv_groups.py``; default: all in group 0)."""
+        for i, (layer, cache) in enumerate(zip(self.model.layers, caches, strict=True)):
             layer.self_attn.kv_cache = cache
+            layer.self_attn.kv_group = groups[i] if groups else 0
         self.model.layer_addresses = None  # the addresses include the caches: rebuilt on next use
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from xlserve.engine.kv_groups import plan_groups
 from xlserve.models.arch import ModelArch
 from xlserve.planner.hardware import GIB, Hardware
 from xlserve.planner.weights import Component, Layout, WeightFormat, bytes_per_device
@@ -116,9 +117,11 @@ def kv_tokens_for(free_bytes: float, groups: list[KVGroup]) -> int:
 
 
 def pool_bytes_per_token(arch: ModelArch, itemsize: int) -> int:
-    """KV bytes per token of one engine's pool (one device, every layer keeping every token:
-    the engine does not yet free blocks outside a window). The engine sizes its pool by this."""
-    return sum(g.bytes_per_token for g in kv_groups(arch, Layout(), itemsize))
+    """Bytes per token slot of one engine's pool (one device): a block holds the layers of one
+    KV layer group (all layers without windows; else as many as keep every token, windowed
+    groups drawing blocks from the same pool). The engine sizes its pool by this."""
+    spec = arch.kv_cache_spec
+    return plan_groups(arch).width * spec.parts * spec.heads * spec.dim * itemsize
 
 
 def kv_groups(arch: ModelArch, layout: Layout, kv_bytes: int) -> list[KVGroup]:

@@ -168,7 +168,7 @@ def _check_header(header: dict, asked: list[bytes], layout: KVLayout) -> int:
         raise TransferError(f"the answer's layout {theirs} is not ours {layout}")
     if _hashes(header.get("block_hashes")) != asked:
         raise TransferError("the answer names other blocks than those asked for")
-    expected = len(asked) * layout.block_bytes
+    expected = layout.payload_blocks(len(asked)) * layout.block_bytes
     if header.get("nbytes") != expected:
         raise TransferError(f"the answer announces {header.get('nbytes')!r} bytes; {len(asked)} blocks "
                             f"need {expected}")
