@@ -90,3 +90,49 @@ def test_greedy_matches_with_prefix_hits_chunked_prefill_and_mixed_batches(tiny_
     assert llm.engine.kv.stats.hit_tokens - hits_before >= 3 * 40  # the shared prefix came from the cache
     assert first == expected
     assert again == expected
+
+
+def _multimodal(kind):
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Llama4Config,
+        Llama4ForConditionalGeneration,
+        Llama4VisionConfig,
+        SiglipVisionConfig,
+    )
+
+    from tests.conftest import _tiny_configs
+    text = _tiny_configs()[kind].to_dict()
+    if kind == "gemma3":  # transformers' multimodal Gemma 3 never soft-caps; its checkpoints set no cap
+        text["final_logit_softcapping"] = None
+        vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                    image_size=28, patch_size=14)
+        return Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision.to_dict(),
+                                                           mm_tokens_per_image=4, image_token_index=300))
+    vision = Llama4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+                                projector_output_dim=64)
+    return Llama4ForConditionalGeneration(Llama4Config(text_config=text, vision_config=vision.to_dict(),
+                                                       image_token_index=300))
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "llama4"])
+def test_the_language_model_of_a_multimodal_checkpoint_matches(tmp_path, kind):
+    """Gemma 3 (4B and up) and Llama 4 ship as image+text checkpoints: xlserve serves their
+    language model, skipping the vision tower, with transformers' text logits."""
+    torch.manual_seed(0)
+    model = _multimodal(kind).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    model.save_pretrained(tmp_path)
+    ids = torch.randint(3, 290, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    # transformers' Llama 4 wrapper fails on text-only input (it reads image outputs it has
+    # not made), so its language model answers for it
+    reference = model.language_model if kind == "llama4" else model
+    with torch.no_grad():
+        ref = reference(input_ids=torch.tensor([ids])).logits[0]
+    ours = _xl_logits(LLM(str(tmp_path), dtype="float32", kv_cache_tokens=1024), ids)
+    assert (ours - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()

@@ -137,7 +137,8 @@ class ModelArch:
         if not archs:
             raise ValueError("model config has no 'architectures' entry")
         if isinstance(cfg.get("text_config"), dict):  # a multimodal wrapper: the language model's facts
-            cfg = {**cfg["text_config"], "architectures": archs}
+            outer = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
+            cfg = {**outer, **cfg["text_config"], "architectures": archs}
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}

@@ -10,7 +10,7 @@ from xlserve.layers.mlp import MLP
 from xlserve.layers.norm import GemmaRMSNorm
 from xlserve.layers.rotary import PositionEncoding
 from xlserve.models.arch import ModelArch
-from xlserve.models.llama import Attention, LlamaForCausalLM
+from xlserve.models.llama import LANGUAGE_MODEL_RENAMES, TOWERS, Attention, LlamaForCausalLM
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -35,3 +35,11 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
     layer_class = Gemma3DecoderLayer
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The language model of a multimodal Gemma 3 checkpoint (4B and up), served for text."""
+    renames = LANGUAGE_MODEL_RENAMES
+
+    def skips(self, name: str) -> bool:
+        return super().skips(name) or name.startswith(TOWERS)

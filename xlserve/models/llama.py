@@ -193,6 +193,14 @@ class DecoderModel(nn.Module):
         return x
 
 
+# the language model inside a multimodal checkpoint (Gemma 3, Llama 4): its names, and the
+# towers it skips when serving text
+LANGUAGE_MODEL_RENAMES = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
+                          "model.language_model.": "model."}
+TOWERS = ("vision_tower.", "vision_model.", "multi_modal_projector.", "model.vision_tower.", "model.vision_model.",
+          "model.multi_modal_projector.")
+
+
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False

@@ -6,14 +6,11 @@ input scaled by the router's sigmoid beside an ungated shared expert. This class
 checkpoint's names (``feed_forward``, all experts stacked in one tensor) and skips the
 vision tower."""
 
-from xlserve.models.llama import LlamaForCausalLM
-
-_VISION = ("vision_model.", "multi_modal_projector.", "model.vision_model.", "model.multi_modal_projector.")
+from xlserve.models.llama import LANGUAGE_MODEL_RENAMES, TOWERS, LlamaForCausalLM
 
 
 class Llama4ForCausalLM(LlamaForCausalLM):
-    renames = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
-               "model.language_model.": "model.", ".feed_forward.router.": ".mlp.gate.", ".feed_forward.": ".mlp."}
+    renames = {**LANGUAGE_MODEL_RENAMES, ".feed_forward.router.": ".mlp.gate.", ".feed_forward.": ".mlp."}
 
     def skips(self, name: str) -> bool:
-        return super().skips(name) or name.startswith(_VISION)
+        return super().skips(name) or name.startswith(TOWERS)
