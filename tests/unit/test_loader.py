@@ -112,6 +112,79 @@ def _write_gguf(hf_dir: str, out: str, quantize: bool):
     w.close()
 
 
+def _write_moe_gguf(hf_dir: str, out: str, arch: str):
+    """A MoE GGUF as llama.cpp's converter writes one: experts stacked per layer, a dense
+    layer without router, the norm_topk_prob flag as expert_weights_norm; Mixtral as "llama"
+    with its query/key rows permuted."""
+    import gguf
+    from safetensors.torch import load_file
+    cfg = json.loads(open(os.path.join(hf_dir, "config.json")).read())
+    cfg["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    state = load_file(os.path.join(hf_dir, "model.safetensors"))
+    w = gguf.GGUFWriter(out, arch)
+    for add, value in ((w.add_block_count, cfg["num_hidden_layers"]), (w.add_embedding_length, cfg["hidden_size"]),
+                       (w.add_context_length, cfg["max_position_embeddings"]),
+                       (w.add_feed_forward_length, cfg["intermediate_size"]),
+                       (w.add_head_count, cfg["num_attention_heads"]),
+                       (w.add_head_count_kv, cfg["num_key_value_heads"]),
+                       (w.add_key_length, cfg["head_dim"]), (w.add_value_length, cfg["head_dim"]),
+                       (w.add_layer_norm_rms_eps, cfg["rms_norm_eps"]), (w.add_expert_count, cfg["num_local_experts"]),
+                       (w.add_expert_used_count, cfg["num_experts_per_tok"]),
+                       (w.add_expert_feed_forward_length, cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+                       (w.add_expert_weights_norm, cfg.get("norm_topk_prob", True))):
+        add(value)
+    w.add_rope_freq_base(ModelArch.from_hf_config(cfg).rope_theta)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"<t{i}>" for i in range(cfg["vocab_size"])])
+    w.add_token_types([1] * cfg["vocab_size"])
+    w.add_token_merges([])
+    parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    experts: dict[tuple, dict] = {}
+    mixtral = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+    for name, t in state.items():
+        arr = t.float().numpy()
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        if ".experts." in name:  # model.layers.L.mlp.experts.E.gate_proj.weight
+            _, _, layer, _, _, e, proj, _ = name.split(".")
+            experts.setdefault((layer, mixtral.get(proj, proj)), {})[int(e)] = arr
+            continue
+        if name.startswith("model.layers."):
+            _, _, layer, rest = name.split(".", 3)
+            base = rest.rsplit(".", 1)[0]
+            gname = f"blk.{layer}.{parts[base]}.weight"
+            if arch == "llama" and base in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads = cfg["num_attention_heads"] if "q_proj" in base else cfg["num_key_value_heads"]
+                arr = arr.reshape(heads, 2, arr.shape[0] // heads // 2, arr.shape[1]).swapaxes(1, 2).reshape(arr.shape)
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}[name]
+        w.add_tensor(gname, np.ascontiguousarray(arr))
+    for (layer, proj), by_expert in experts.items():
+        stacked = np.stack([by_expert[e] for e in sorted(by_expert)])
+        w.add_tensor(f"blk.{layer}.ffn_{proj.removesuffix('_proj')}_exps.weight", np.ascontiguousarray(stacked))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("name,arch,expected,dense", [("qwen3_moe", "qwen3moe", "Qwen3MoeForCausalLM", [1]),
+                                                     ("mixtral", "llama", "MixtralForCausalLM", [])])
+def test_moe_gguf_matches_safetensors_of_the_same_weights(tiny_model_dirs, tmp_path, name, arch, expected, dense):
+    out = str(tmp_path / "tiny-moe.gguf")
+    _write_moe_gguf(tiny_model_dirs[name], out, arch)
+    cfg = GGUFFile(out).hf_config()
+    assert cfg["architectures"] == [expected] and cfg["mlp_only_layers"] == dense
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompt = list(range(10, 40))
+    a = LLM(tiny_model_dirs[name], dtype="float32", kv_cache_tokens=1024).generate(prompt, params)[0]
+    b = LLM(out, dtype="float32", kv_cache_tokens=1024).generate(prompt, params)[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
 @pytest.mark.parametrize("quantize", [False, True])
 def test_gguf_matches_safetensors_of_the_same_weights(tiny_llama_dir, tmp_path, quantize):
     out = str(tmp_path / "tiny.gguf")

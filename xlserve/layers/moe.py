@@ -87,19 +87,25 @@ class SparseMoE(nn.Module):
     def load(self, shard: tuple, loaded: torch.Tensor) -> set:
         """A checkpoint tensor into the stacked weights; returns the (expert, part) shards it
         filled. ``shard``: (expert, part) for one expert's projection (Mixtral, Qwen, DeepSeek),
-        or (None, "gate_up" | "down") for all experts' in one tensor, input-major (Llama 4:
-        [E, hidden, 2 x size] with gate first, and [E, size, hidden])."""
+        or (None, part) for every expert's in one tensor: Llama 4's input-major "gate_up_proj"
+        ([E, hidden, 2 x size], gate first) and "down_proj" ([E, size, hidden]), or GGUF's
+        output-major "gate_exps", "up_exps", "down_exps"."""
         expert, part = shard
         size = self.w_down.shape[2]
-        if expert is None:
-            target = self.w_gate_up if part == "gate_up" else self.w_down
-            copy_checked(target.data, loaded.transpose(1, 2), f"experts {part}")
-            parts = ("gate", "up") if part == "gate_up" else ("down",)
-            return {(e, p) for e in range(self.num_experts) for p in parts}
-        target = {"gate": self.w_gate_up.data[expert, :size], "up": self.w_gate_up.data[expert, size:],
-                  "down": self.w_down.data[expert]}[part]
-        copy_checked(target, loaded, f"expert {expert} {part}")
-        return {shard}
+        experts = slice(None) if expert is None else expert
+        targets = {"gate": self.w_gate_up.data[experts, :size], "up": self.w_gate_up.data[experts, size:],
+                   "down": self.w_down.data[experts]}
+        if expert is not None:
+            copy_checked(targets[part], loaded, f"expert {expert} {part}")
+            return {shard}
+        if part.endswith("_proj"):  # Llama 4, input-major
+            parts = ("gate", "up") if part == "gate_up_proj" else ("down",)
+            target = self.w_gate_up.data if part == "gate_up_proj" else self.w_down.data
+            copy_checked(target, loaded.transpose(1, 2), f"experts {part}")
+        else:
+            parts = (part.removesuffix("_exps"),)
+            copy_checked(targets[parts[0]], loaded, f"experts {part}")
+        return {(e, p) for e in range(self.num_experts) for p in parts}
 
     def expected_loads(self, prefix: str) -> set:
         """(parameter name, shard) pairs a complete checkpoint fills."""

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from xlserve.loader.gguf_container import TensorInfo, read_gguf, release, tensor_bytes
-from xlserve.models.registry import GGUF_ARCHITECTURES
+from xlserve.models.registry import GGUF_ARCHITECTURES, GGUF_MOE_ARCHITECTURES
 
 TENSOR_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -35,6 +35,11 @@ LAYER_TENSOR_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixture of experts: the router, and every expert's projection stacked in one tensor
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_exps",
+    "ffn_up_exps": "mlp.experts.up_exps",
+    "ffn_down_exps": "mlp.experts.down_exps",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
@@ -72,12 +77,26 @@ class GGUFFile:
             "bos_token_id": m.get("tokenizer.ggml.bos_token_id"),
             "eos_token_id": m.get("tokenizer.ggml.eos_token_id"),
         }
+        experts = int(m.get(f"{arch}.expert_count") or 0)
+        if experts:
+            cfg.update(self._moe_config(arch, experts, names, cfg["num_hidden_layers"]))
         return cfg
+
+    def _moe_config(self, arch: str, experts: int, names: set, layers: int) -> dict:
+        """Experts from the metadata; which layers route from their tensors (a layer without a
+        router is dense: Qwen MoE's ``mlp_only_layers``)."""
+        m = self.meta
+        dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
+        size = int(m.get(f"{arch}.expert_feed_forward_length") or m[f"{arch}.feed_forward_length"])
+        return {"architectures": [GGUF_MOE_ARCHITECTURES.get(arch, GGUF_ARCHITECTURES[arch])],
+                "num_experts": experts, "num_experts_per_tok": int(m[f"{arch}.expert_used_count"]),
+                "moe_intermediate_size": size, "mlp_only_layers": dense,
+                "norm_topk_prob": bool(m.get(f"{arch}.expert_weights_norm", True))}
 
     def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         from gguf.quants import dequantize
         cfg = self.hf_config()
-        permute = cfg["architectures"][0] == "LlamaForCausalLM"
+        permute = cfg["architectures"][0] in ("LlamaForCausalLM", "MixtralForCausalLM")  # llama.cpp's "llama"
         for t in self.tensors:
             name = self._hf_name(t.name)
             tensor = self._tensor(t, dequantize)

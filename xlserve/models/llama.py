@@ -24,7 +24,9 @@ from xlserve.layers.rotary import PositionEncoding, QueryTemperature, RotaryEmbe
 from xlserve.models.arch import ModelArch
 
 _EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(\w+)\.weight")
-_ALL_EXPERTS = re.compile(r"(.*\.mlp)\.experts\.(gate_up_proj|down_proj)")  # Llama 4: one tensor for all
+# every expert's projection in one tensor: Llama 4's input-major gate_up / down, GGUF's
+# output-major gate / up / down ("_exps")
+_ALL_EXPERTS = re.compile(r"(.*\.mlp)\.experts\.(gate_up_proj|down_proj|gate_exps|up_exps|down_exps)(?:\.weight)?")
 # checkpoint projection name -> (fused module name, shard id)
 STACKED_PARAMS = {
     "q_proj": ("qkv_proj", "q"),
@@ -295,8 +297,8 @@ def _param_name(name: str, stacked_params: dict) -> tuple[str, object]:
         return f"{m.group(1)}.{stacked}", (int(m.group(2)), part)
     m = _ALL_EXPERTS.fullmatch(name)
     if m:
-        part = m.group(2).removesuffix("_proj")
-        return f"{m.group(1)}.{'w_gate_up' if part == 'gate_up' else 'w_down'}", (None, part)
+        part = m.group(2)
+        return f"{m.group(1)}.{'w_down' if part.startswith('down') else 'w_gate_up'}", (None, part)
     for proj, (fused, shard_id) in stacked_params.items():
         if f".{proj}." in name:
             return name.replace(f".{proj}.", f".{fused}."), shard_id

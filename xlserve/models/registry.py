@@ -23,7 +23,10 @@ MODEL_REGISTRY = {
 }
 
 # GGUF general.architecture -> Hugging Face architecture name
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "qwen3moe": "Qwen3MoeForCausalLM"}
+# ... when the file has experts (llama.cpp writes Mixtral as "llama")
+GGUF_MOE_ARCHITECTURES = {"llama": "MixtralForCausalLM"}
 
 
 def model_class(architecture: str):
