@@ -12,6 +12,7 @@ def _tiny_configs():
     from transformers import (
         DeepseekV3Config,
         Gemma3TextConfig,
+        GptOssConfig,
         Llama4TextConfig,
         LlamaConfig,
         MistralConfig,
@@ -58,6 +59,13 @@ def _tiny_configs():
                                    intermediate_size_mlp=128, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
                                    interleave_moe_layer_step=2, attention_chunk_size=8, no_rope_layers=[1, 1, 1, 0],
                                    use_qk_norm=True, floor_scale=4, attn_scale=0.1, attn_temperature_tuning=True),
+        # sinks, sliding (8) and full layers, biased router and experts, clamped SwiGLU, YaRN without truncation
+        "gpt_oss": GptOssConfig(**{**TINY_COMMON, "intermediate_size": 32}, head_dim=16, num_local_experts=4,
+                                num_experts_per_tok=2, sliding_window=8, swiglu_limit=1.0,
+                                layer_types=["sliding_attention", "full_attention"],
+                                rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0, "original_max_position_embeddings": 128,
+                                                 "truncate": False, "rope_theta": 150000.0}),
     }
 
 
@@ -76,6 +84,8 @@ def tiny_model_dirs(tmp_path_factory):
                     p.mul_(4.0)
                 elif name == "gemma3" and param_name.endswith("norm.weight"):  # offsets from 1, zero at init
                     p.normal_(0.0, 0.2)
+                elif name == "gpt_oss" and not param_name.endswith("norm.weight"):  # experts, biases, sinks
+                    p.normal_(0.0, 0.5 if p.dim() < 3 else 0.2)
             for buffer_name, b in model.named_buffers():
                 if buffer_name.endswith("e_score_correction_bias"):  # zero at init: make the bias choose
                     b.normal_(0.0, 0.3)

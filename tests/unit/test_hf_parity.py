@@ -6,7 +6,7 @@ import torch
 from xlserve import LLM, SamplingParams
 
 ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gemma3",
-         "llama4"]
+         "llama4", "gpt_oss"]
 
 
 def _hf_model(path):
@@ -72,7 +72,7 @@ def _hf_greedy(hf, prompt, n):
     return ids[len(prompt):]
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3", "gemma3", "llama4"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3", "gemma3", "llama4", "gpt_oss"])
 def test_greedy_matches_with_prefix_hits_chunked_prefill_and_mixed_batches(tiny_model_dirs, arch):
     """Prompts of mixed lengths sharing a 40-token prefix, batched, prefilled in chunks of at
     most 24 tokens, then asked again (prefix-cache hits): every answer equals transformers'."""

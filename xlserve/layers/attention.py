@@ -105,24 +105,26 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Computes attention for one layer. Invariants: writes every new token's K/V to
     ``slot_mapping`` before reading, and returns one output row per query row; a ``window``
-    layer reads no key outside its window; ``scale`` None is 1/sqrt(head_dim)."""
+    layer reads no key outside its window; ``scale`` None is 1/sqrt(head_dim); ``sinks`` [Hq]:
+    a logit per head that joins every softmax's denominator and no value (gpt-oss)."""
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, window: Window | None = None, scale: float | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, window: Window | None = None, scale: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         ...
 
 
 class TorchSDPABackend(AttentionBackend):
-    def forward(self, q, k, v, kv_cache, meta, window=None, scale=None):
+    def forward(self, q, k, v, kv_cache, meta, window=None, scale=None, sinks=None):
         k_cache, v_cache = kv_cache
         if meta.fused_decode:  # one kernel writes the new K/V and attends
             return cpu_ops.decode_attention(q, k, v, meta.slot_mapping, k_cache, v_cache, meta.decode_slots,
                                             meta.decode_lens, scale or q.shape[-1] ** -0.5)
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
-        if window is not None:
-            return _windowed(q, k_cache, v_cache, meta, window, scale)
+        if window is not None or sinks is not None:
+            return _masked(q, k_cache, v_cache, meta, window, scale, sinks)
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
             rows = meta.decode_rows
@@ -144,30 +146,46 @@ class TorchSDPABackend(AttentionBackend):
         return out
 
 
-def _windowed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-              window: Window, scale: float | None) -> torch.Tensor:
-    """Attention of a windowed layer, its new K/V already in the cache: decode rows under the
-    step's window mask, each chunk over the keys from its window's first position on."""
+def _masked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+            window: Window | None, scale: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention under an explicit mask, the new K/V already in the cache (windowed layers,
+    sinks): decode rows under the step's (window) mask, each chunk over the keys from its
+    window's first position on."""
     out = torch.empty_like(q)
     if meta.decode_rows is not None:
         rows = meta.decode_rows
         qd = q[rows].unsqueeze(2)
         kd, vd = k_cache[meta.decode_slots].transpose(1, 2), v_cache[meta.decode_slots].transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_window_mask(window),
-                                            enable_gqa=True, scale=scale)
-        out[rows] = od.squeeze(2)
+        mask = meta.decode_window_mask(window) if window is not None else meta.decode_mask
+        out[rows] = _attend(qd, kd, vd, mask, scale, sinks).squeeze(2)
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.end)
         slots = chunk.context_slots if chunk.context_slots is not None else meta.slot_mapping[rows]
         n, start, end = chunk.end - chunk.start, chunk.context_start, chunk.context_start + len(slots)
-        first = window.first_key(end - n) - start  # index into slots
+        first = (window.first_key(end - n) if window is not None else 0) - start  # index into slots
         positions = torch.arange(start, end, device=q.device)
-        allowed = window.allows(positions[len(slots) - n:, None], positions[None, first:])
+        q_pos, k_pos = positions[len(slots) - n:, None], positions[None, first:]
+        allowed = window.allows(q_pos, k_pos) if window is not None else k_pos <= q_pos
         keys, values = k_cache[slots[first:]], v_cache[slots[first:]]
-        o = F.scaled_dot_product_attention(_heads_first(q[rows]), _heads_first(keys), _heads_first(values),
-                                           attn_mask=additive_mask(allowed, q.dtype), enable_gqa=True, scale=scale)
+        o = _attend(_heads_first(q[rows]), _heads_first(keys), _heads_first(values), additive_mask(allowed, q.dtype),
+                    scale, sinks)
         out[rows] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None,
+            sinks: torch.Tensor | None) -> torch.Tensor:
+    """[B, Hq, Lq, D] queries over [B, Hk, L, D] keys and values under an additive mask; with
+    ``sinks``, each head's sink logit joins the softmax (computed in the activations' dtype,
+    as the reference does) and its weight is dropped."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = q @ k.transpose(-1, -2) * (scale or q.shape[-1] ** -0.5) + mask
+    logits = torch.cat((scores, sinks.to(q.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)), dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    return torch.softmax(logits, dim=-1)[..., :-1] @ v
 
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)

@@ -25,7 +25,8 @@ class ExpertRouter(nn.Module):
 
     Softmax top-k (Mixtral, Qwen): softmax over all experts in float32, the k largest,
     renormalized where the model says so. Llama 4: the k largest logits, weights their sigmoid
-    (``SparseMoE`` scales the expert's input by it, not its output). Sigmoid grouped (DeepSeek-V3, ``noaux_tc``):
+    (``SparseMoE`` scales the expert's input by it, not its output). gpt-oss: the k largest
+    logits (the router has a bias), softmax over those. Sigmoid grouped (DeepSeek-V3, ``noaux_tc``):
     sigmoid scores; the choice adds ``e_score_correction_bias``, keeps the ``topk_group``
     groups whose two best experts score highest, and takes the k best in them; the weights
     are the unbiased scores, renormalized, times ``routed_scaling_factor``. DeepSeek keeps
@@ -36,6 +37,7 @@ class ExpertRouter(nn.Module):
         super().__init__()
         self.kind, self.top_k, self.normalize = arch.router, arch.num_experts_per_tok, arch.norm_topk_prob
         self.weight = nn.Parameter(torch.empty(arch.num_experts, arch.hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(arch.num_experts), requires_grad=False) if arch.router_bias else None
         self.keeps_float32 = arch.router is Router.SIGMOID_GROUPED
         if self.keeps_float32:
             self.e_score_correction_bias = nn.Parameter(torch.empty(arch.num_experts), requires_grad=False)
@@ -46,10 +48,14 @@ class ExpertRouter(nn.Module):
         (DeepSeek), as the reference implementations round them."""
         if self.kind is Router.SIGMOID_GROUPED:
             return self._sigmoid_grouped(x)
+        logits = nn.functional.linear(x, self.weight, self.bias)
         if self.kind is Router.SIGMOID_TOPK_INPUT:
-            top, experts = nn.functional.linear(x, self.weight).topk(self.top_k, dim=-1)
+            top, experts = logits.topk(self.top_k, dim=-1)
             return torch.sigmoid(top.float()).to(x.dtype), experts
-        probs = torch.softmax(nn.functional.linear(x, self.weight).float(), dim=-1)
+        if self.kind is Router.TOPK_SOFTMAX:
+            top, experts = logits.topk(self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1), experts
+        probs = torch.softmax(logits.float(), dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -76,8 +82,13 @@ class SparseMoE(nn.Module):
         size, hidden = arch.moe_intermediate_size, arch.hidden_size
         self.gate = ExpertRouter(arch)
         self.scale_input = arch.router is Router.SIGMOID_TOPK_INPUT
+        self.limit, self.alpha = arch.swiglu_limit, arch.swiglu_alpha
         self.w_gate_up = nn.Parameter(torch.empty(arch.num_experts, 2 * size, hidden), requires_grad=False)
         self.w_down = nn.Parameter(torch.empty(arch.num_experts, hidden, size), requires_grad=False)
+        self.b_gate_up = self.b_down = None
+        if arch.expert_bias:  # gpt-oss
+            self.b_gate_up = nn.Parameter(torch.empty(arch.num_experts, 2 * size), requires_grad=False)
+            self.b_down = nn.Parameter(torch.empty(arch.num_experts, hidden), requires_grad=False)
         self.shared_expert = self.shared_expert_gate = None
         if arch.shared_expert_intermediate_size:
             self.shared_expert = MLP(hidden, arch.shared_expert_intermediate_size)
@@ -136,7 +147,17 @@ class SparseMoE(nn.Module):
         return out
 
     def expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert ``index``'s SwiGLU MLP over all the rows routed to it."""
+        """Expert ``index``'s gated MLP over all the rows routed to it: SwiGLU, or gpt-oss's
+        clamped (up + 1) * gate * sigmoid(alpha * gate) with biases."""
         size = self.w_down.shape[2]
         gate_up = x @ self.w_gate_up[index].T
-        return (nn.functional.silu(gate_up[:, :size]) * gate_up[:, size:]) @ self.w_down[index].T
+        if self.b_gate_up is not None:
+            gate_up = gate_up + self.b_gate_up[index]
+        gate, up = gate_up[:, :size], gate_up[:, size:]
+        if self.limit:
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+            hidden = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        else:
+            hidden = nn.functional.silu(gate) * up
+        out = hidden @ self.w_down[index].T
+        return out if self.b_down is None else out + self.b_down[index]

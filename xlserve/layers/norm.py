@@ -22,19 +22,28 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-class GemmaRMSNorm(nn.Module):
-    """Gemma 2/3: scales by ``1 + weight`` (weights are stored as offsets from 1), in float32."""
+class Float32WeightRMSNorm(nn.Module):
+    """The weight applied in float32 before rounding: gpt-oss; Gemma 2/3 scale by ``1 + weight``
+    (``offset`` 1: weights are stored as offsets from 1)."""
 
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(size))
-        self.eps = eps
+        self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.float())).to(x.dtype)
+        return (y * (self.offset + self.weight.float())).to(x.dtype)
 
 
-def rms_norm(size: int, eps: float, gemma: bool = False) -> nn.Module:
-    return GemmaRMSNorm(size, eps) if gemma else RMSNorm(size, eps)
+class GemmaRMSNorm(Float32WeightRMSNorm):
+    def __init__(self, size: int, eps: float):
+        super().__init__(size, eps, offset=1.0)
+
+
+def rms_norm(size: int, eps: float, gemma: bool = False, weight_float32: bool = False) -> nn.Module:
+    """The model family's RMSNorm (``ModelArch.gemma_norms``, ``norm_weight_float32``)."""
+    if gemma:
+        return GemmaRMSNorm(size, eps)
+    return Float32WeightRMSNorm(size, eps) if weight_float32 else RMSNorm(size, eps)

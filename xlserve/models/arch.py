@@ -14,12 +14,13 @@ DIMENSIONS = frozenset({"architecture", "vocab_size", "hidden_size", "intermedia
                         "num_heads", "num_kv_heads", "head_dim", "rms_norm_eps", "rope_theta",
                         "max_position_embeddings", "num_experts_per_tok", "moe_intermediate_size",
                 "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group", "routed_scaling_factor",
-                "nope_floor_scale", "nope_attn_scale"})
+                "nope_floor_scale", "nope_attn_scale", "swiglu_alpha"})
 FEATURES = frozenset({"attention_bias", "qk_norm", "tie_word_embeddings", "rope_scaling", "num_experts",
                       "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size",
                       "shared_expert_gated", "router", "kv_lora_rank", "q_lora_rank", "rope_interleave",
                       "layer_windows", "chunked_attention", "hidden_act", "gemma_norms", "attention_scale",
-                      "final_logit_softcapping", "local_rope_theta", "nope_layers", "qk_l2_norm"})
+                      "final_logit_softcapping", "local_rope_theta", "nope_layers", "qk_l2_norm",
+                      "attention_sinks", "router_bias", "expert_bias", "swiglu_limit", "norm_weight_float32"})
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
@@ -31,6 +32,8 @@ class Router(str, enum.Enum):
     SIGMOID_GROUPED = "sigmoid_grouped"
     # Llama 4: the k largest logits; each chosen expert's input is scaled by the sigmoid of its logit
     SIGMOID_TOPK_INPUT = "sigmoid_topk_input"
+    # gpt-oss: the k largest logits, softmax over those k
+    TOPK_SOFTMAX = "topk_softmax"
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,15 @@ class ModelArch:
     nope_floor_scale: int = 0
     nope_attn_scale: float = 0.0
     qk_l2_norm: bool = False
+    # gpt-oss: a learned per-head logit in every softmax's denominator ("sinks"); biases on the
+    # router and experts; experts' SwiGLU clamped at swiglu_limit as (up + 1) * gate * sigmoid(alpha * gate)
+    # (0: plain SwiGLU); RMSNorm weight applied in float32
+    attention_sinks: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
+    norm_weight_float32: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -170,6 +182,7 @@ class ModelArch:
             attention_bias=bool(cfg.get("attention_bias", False)),
             rope_scaling=tuple(sorted(scaling.items())),
             **_moe_fields(cfg), **mla, **windows, **_gemma_fields(cfg, local), **_llama4_fields(cfg),
+            **_gpt_oss_fields(cfg),
         )
 
     @property
@@ -207,7 +220,10 @@ class ModelArch:
                 "attention_scale": self.attention_scale > 0,
                 "final_logit_softcapping": self.final_logit_softcapping > 0,
                 "local_rope_theta": self.local_rope_theta > 0,
-                "nope_layers": bool(self.nope_layers), "qk_l2_norm": self.qk_l2_norm}
+                "nope_layers": bool(self.nope_layers), "qk_l2_norm": self.qk_l2_norm,
+                "attention_sinks": self.attention_sinks, "router_bias": self.router_bias,
+                "expert_bias": self.expert_bias, "swiglu_limit": self.swiglu_limit > 0,
+                "norm_weight_float32": self.norm_weight_float32}
         return frozenset(name for name, on in used.items() if on)
 
 
@@ -282,6 +298,14 @@ def _gemma_fields(cfg: dict, local_rope: dict | None) -> dict:
     return {**fields, "gemma_norms": True, "attention_scale": float(query_scalar) ** -0.5 if query_scalar else 0.0,
             "final_logit_softcapping": float(cfg.get("final_logit_softcapping") or 0.0),
             "local_rope_theta": float(local_theta)}
+
+
+def _gpt_oss_fields(cfg: dict) -> dict:
+    if cfg.get("model_type") != "gpt_oss":
+        return {}
+    return {"attention_sinks": True, "router_bias": True, "expert_bias": True, "router": Router.TOPK_SOFTMAX,
+            "swiglu_limit": float(cfg.get("swiglu_limit", 7.0)), "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)),
+            "norm_weight_float32": True}
 
 
 def _llama4_fields(cfg: dict) -> dict:

@@ -19,7 +19,7 @@ from xlserve.layers.linear import Linear, MergedLinear, copy_checked, linear
 from xlserve.layers.mla import LatentAttention
 from xlserve.layers.mlp import MLP
 from xlserve.layers.moe import EXPERT_PARTS, SparseMoE
-from xlserve.layers.norm import RMSNorm, rms_norm
+from xlserve.layers.norm import rms_norm
 from xlserve.layers.rotary import PositionEncoding, QueryTemperature, RotaryEmbedding
 from xlserve.models.arch import ModelArch
 
@@ -48,9 +48,10 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(arch.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, qkv_bias)
-        self.o_proj = Linear(q_size, arch.hidden_size, bias=False)
+        self.o_proj = Linear(q_size, arch.hidden_size, bias=arch.attention_bias)
         self.q_norm = rms_norm(self.head_dim, arch.rms_norm_eps, arch.gemma_norms) if qk_norm else None
         self.k_norm = rms_norm(self.head_dim, arch.rms_norm_eps, arch.gemma_norms) if qk_norm else None
+        self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False) if arch.attention_sinks else None
         self.positional = positional
         # Llama 4's rotary layers: queries and keys L2-normed (no weight) after the rotation
         self.l2_norm = arch.qk_l2_norm and isinstance(positional, RotaryEmbedding)
@@ -83,7 +84,7 @@ class Attention(nn.Module):
         if self.l2_norm:
             q, k = _l2_norm(q, self.eps), _l2_norm(k, self.eps)
         meta = meta.groups.get(self.kv_group, meta)
-        out = self.backend.forward(q, k, v, self.kv_cache, meta, self.window, self.scale).reshape(n, -1)
+        out = self.backend.forward(q, k, v, self.kv_cache, meta, self.window, self.scale, self.sinks).reshape(n, -1)
         return self.o_proj(out) if project_out else out
 
 
@@ -96,10 +97,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, positional: PositionEncoding, qkv_bias: bool, qk_norm: bool,
                  index: int = 0):
         super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.input_layernorm = rms_norm(arch.hidden_size, arch.rms_norm_eps, weight_float32=arch.norm_weight_float32)
         self.self_attn = LatentAttention(arch, positional) if arch.kv_lora_rank else \
             Attention(arch, positional, qkv_bias, qk_norm, index)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = rms_norm(arch.hidden_size, arch.rms_norm_eps,
+                                                 weight_float32=arch.norm_weight_float32)
         self.mlp = SparseMoE(arch) if arch.sparse_layer(index) else \
             MLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act)
 
@@ -153,7 +155,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList((layer_class or DecoderLayer)(arch, encodings[i], qkv_bias, qk_norm, i)
                                     for i in range(arch.num_layers))
         self.encodings = list({id(e): e for e in encodings}.values())  # each computes its tables once a step
-        self.norm = rms_norm(arch.hidden_size, arch.rms_norm_eps, arch.gemma_norms)
+        self.norm = rms_norm(arch.hidden_size, arch.rms_norm_eps, arch.gemma_norms, arch.norm_weight_float32)
         # [layers, 9] addresses for the one-call decode; bind_kv_cache resets them
         self.layer_addresses: torch.Tensor | None = None
 
@@ -249,6 +251,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if self.skips(name):
                 continue
+            tensor = self.adapt(name, tensor)
             for theirs, ours in self.renames.items():
                 name = name.replace(theirs, ours)
             target, shard = _param_name(name, self.stacked_params)
@@ -269,6 +272,10 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
 
+    def adapt(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint tensor in our layout (identity unless the family stores it otherwise)."""
+        return tensor
+
     def skips(self, name: str) -> bool:
         """Checkpoint tensors that are not weights of this model (precomputed rotary tables)."""
         return "rotary_emb" in name or (name == "lm_head.weight" and self.arch.tie_word_embeddings)
@@ -280,7 +287,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             prefix = name.rsplit(".", 1)[0]
             module = self.get_submodule(prefix)
-            if isinstance(module, SparseMoE) and name.rsplit(".", 1)[1] != "weight":
+            if isinstance(module, SparseMoE) and name.rsplit(".", 1)[1] in ("w_gate_up", "w_down"):
                 expected |= {load for load in module.expected_loads(prefix) if load[0] == name}
                 continue
             shards = module.shard_offsets if isinstance(module, MergedLinear) else {None: None}

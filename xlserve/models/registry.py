@@ -11,6 +11,7 @@ MODEL_REGISTRY = {
     "DeepseekV3ForCausalLM": ("xlserve.models.deepseek", "DeepseekV3ForCausalLM"),  # also Kimi K2
     "Gemma3ForCausalLM": ("xlserve.models.gemma3", "Gemma3ForCausalLM"),
     "Gemma3ForConditionalGeneration": ("xlserve.models.gemma3", "Gemma3ForConditionalGeneration"),  # text
+    "GptOssForCausalLM": ("xlserve.models.gpt_oss", "GptOssForCausalLM"),
     "LlamaForCausalLM": ("xlserve.models.llama", "LlamaForCausalLM"),
     "Llama4ForCausalLM": ("xlserve.models.llama4", "Llama4ForCausalLM"),
     "Llama4ForConditionalGeneration": ("xlserve.models.llama4", "Llama4ForCausalLM"),  # its language model
