@@ -6,6 +6,7 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 
 from xlserve import LLM, SamplingParams
 from xlserve.loader.gguf_file import GGUFFile
@@ -250,3 +251,64 @@ def test_serving_path_stays_off_torch_compile_machinery(tiny_llama_dir):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_gemma3_gguf_matches_safetensors_of_the_same_weights(tmp_path):
+    """A Gemma 3 GGUF as llama.cpp writes it: norms stored as 1 + weight, the pre-MLP norm as
+    ffn_norm, the layer pattern (every sixth global), local rotary base and query scale left
+    to the reader."""
+    import gguf
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                           sliding_window=8, max_position_embeddings=512, eos_token_id=2,
+                           rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                               "rope_theta": 1000000.0},
+                                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+            else:  # norm offsets, zero at init
+                p.normal_(0.0, 0.2)
+    hf_dir = tmp_path / "hf"
+    model.save_pretrained(hf_dir)
+    out = str(tmp_path / "gemma3.gguf")
+    w = gguf.GGUFWriter(out, "gemma3")
+    for add, value in ((w.add_block_count, 6), (w.add_context_length, 512), (w.add_embedding_length, 64),
+                       (w.add_feed_forward_length, 128), (w.add_head_count, 4), (w.add_head_count_kv, 2),
+                       (w.add_key_length, 16), (w.add_value_length, 16), (w.add_layer_norm_rms_eps, 1e-6),
+                       (w.add_rope_freq_base, 1000000.0), (w.add_sliding_window, 8)):
+        add(value)
+    w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    w.add_rope_scaling_factor(2.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"<t{i}>" for i in range(320)])
+    w.add_token_types([1] * 320)
+    w.add_token_merges([])
+    parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, t in model.state_dict().items():
+        arr = t.float().numpy() + (1.0 if name.endswith("norm.weight") else 0.0)
+        if name.startswith("model.layers."):
+            _, _, layer, rest = name.split(".", 3)
+            gname = f"blk.{layer}.{parts[rest.rsplit('.', 1)[0]]}.weight"
+        elif name == "lm_head.weight":
+            continue  # tied
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[name]
+        w.add_tensor(gname, np.ascontiguousarray(arr))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompt = list(range(10, 40))  # several windows of 8
+    a = LLM(str(hf_dir), dtype="float32", kv_cache_tokens=1024).generate(prompt, params)[0]
+    b = LLM(out, dtype="float32", kv_cache_tokens=1024).generate(prompt, params)[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids

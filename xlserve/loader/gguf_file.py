@@ -41,6 +41,9 @@ LAYER_TENSOR_NAMES = {
     "ffn_up_exps": "mlp.experts.up_exps",
     "ffn_down_exps": "mlp.experts.down_exps",
 }
+# Gemma 3 norms around attention and MLP (its ffn_norm is the pre-MLP norm, not Llama's post-attention one)
+GEMMA_LAYER_TENSOR_NAMES = {**LAYER_TENSOR_NAMES, "post_attention_norm": "post_attention_layernorm",
+                            "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
@@ -80,7 +83,22 @@ class GGUFFile:
         experts = int(m.get(f"{arch}.expert_count") or 0)
         if experts:
             cfg.update(self._moe_config(arch, experts, names, cfg["num_hidden_layers"]))
+        if arch == "gemma3":
+            cfg.update(self._gemma3_config(cfg))
         return cfg
+
+    def _gemma3_config(self, cfg: dict) -> dict:
+        """What llama.cpp fixes for Gemma 3 instead of storing: every sixth layer global, the
+        others sliding with rotary base 10,000; queries scaled by 1/sqrt(head_dim), except
+        the 27B (62 layers) which uses 1/sqrt(hidden / heads)."""
+        m = self.meta
+        scaling = {}
+        if m.get("gemma3.rope.scaling.type") == "linear":
+            scaling = {"rope_type": "linear", "factor": float(m["gemma3.rope.scaling.factor"])}
+        scalar = cfg["hidden_size"] // cfg["num_attention_heads"] if cfg["num_hidden_layers"] == 62 else cfg["head_dim"]
+        return {"model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh",
+                "sliding_window": int(m["gemma3.attention.sliding_window"]), "sliding_window_pattern": 6,
+                "rope_local_base_freq": 10000.0, "rope_scaling": scaling, "query_pre_attn_scalar": scalar}
 
     def _moe_config(self, arch: str, experts: int, names: set, layers: int) -> dict:
         """Experts from the metadata; which layers route from their tensors (a layer without a
@@ -97,10 +115,13 @@ class GGUFFile:
         from gguf.quants import dequantize
         cfg = self.hf_config()
         permute = cfg["architectures"][0] in ("LlamaForCausalLM", "MixtralForCausalLM")  # llama.cpp's "llama"
+        gemma = cfg.get("model_type") == "gemma3_text"
         for t in self.tensors:
-            name = self._hf_name(t.name)
+            name = self._hf_name(t.name, GEMMA_LAYER_TENSOR_NAMES if gemma else LAYER_TENSOR_NAMES)
             tensor = self._tensor(t, dequantize)
             release(self._data, t)
+            if gemma and name.endswith("norm.weight"):  # llama.cpp stores Gemma's 1 + weight
+                tensor = tensor.float() - 1
             if permute and name.endswith(("q_proj.weight", "k_proj.weight")):
                 key = "num_attention_heads" if "q_proj" in name else "num_key_value_heads"
                 tensor = _unpermute_rope(tensor, cfg[key])
@@ -126,13 +147,13 @@ class GGUFFile:
         return len(self.tensors)
 
     @staticmethod
-    def _hf_name(name: str) -> str:
+    def _hf_name(name: str, layer_names: dict) -> str:
         match = _LAYER_RE.match(name)
         if match:
             layer, part, kind = match.groups()
-            if part not in LAYER_TENSOR_NAMES:
+            if part not in layer_names:
                 raise ValueError(f"GGUF tensor {name!r} is not understood")
-            return f"model.layers.{layer}.{LAYER_TENSOR_NAMES[part]}.{kind}"
+            return f"model.layers.{layer}.{layer_names[part]}.{kind}"
         base, kind = name.rsplit(".", 1)
         if base not in TENSOR_NAMES:
             raise ValueError(f"GGUF tensor {name!r} is not understood")
