@@ -312,3 +312,89 @@ def test_gemma3_gguf_matches_safetensors_of_the_same_weights(tmp_path):
     a = LLM(str(hf_dir), dtype="float32", kv_cache_tokens=1024).generate(prompt, params)[0]
     b = LLM(out, dtype="float32", kv_cache_tokens=1024).generate(prompt, params)[0]
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def _write_gpt_oss_gguf(hf_dir: str, out: str, mxfp4: bool) -> dict:
+    """A gpt-oss GGUF as llama.cpp writes one: experts' alternating gate/up split into
+    output-major gate/up/down tensors with biases (MXFP4 when asked), sinks, biased router."""
+    import gguf
+    from safetensors.torch import load_file
+    cfg = json.loads(open(os.path.join(hf_dir, "config.json")).read())
+    rope = cfg["rope_parameters"]
+    state = load_file(os.path.join(hf_dir, "model.safetensors"))
+    w = gguf.GGUFWriter(out, "gpt-oss")
+    for add, value in ((w.add_block_count, cfg["num_hidden_layers"]), (w.add_embedding_length, cfg["hidden_size"]),
+                       (w.add_context_length, cfg["max_position_embeddings"]),
+                       (w.add_feed_forward_length, cfg["intermediate_size"]),
+                       (w.add_head_count, cfg["num_attention_heads"]),
+                       (w.add_head_count_kv, cfg["num_key_value_heads"]), (w.add_key_length, cfg["head_dim"]),
+                       (w.add_value_length, cfg["head_dim"]), (w.add_layer_norm_rms_eps, cfg["rms_norm_eps"]),
+                       (w.add_expert_count, cfg["num_local_experts"]),
+                       (w.add_expert_used_count, cfg["num_experts_per_tok"]),
+                       (w.add_expert_feed_forward_length, cfg["intermediate_size"]),
+                       (w.add_sliding_window, cfg["sliding_window"]), (w.add_rope_freq_base, rope["rope_theta"]),
+                       (w.add_rope_scaling_factor, rope["factor"]),
+                       (w.add_rope_scaling_orig_ctx_len, rope["original_max_position_embeddings"])):
+        add(value)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"<t{i}>" for i in range(cfg["vocab_size"])])
+    w.add_token_types([1] * cfg["vocab_size"])
+    w.add_token_merges([])
+    parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn": "attn", "mlp.router": "ffn_gate_inp"}
+    written = {}
+    for name, t in state.items():
+        arr = t.float().numpy()
+        if not name.startswith("model.layers."):
+            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}[name]
+            w.add_tensor(gname, np.ascontiguousarray(arr))
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        base, kind = rest.rsplit(".", 1)
+        if base == "mlp.experts":  # gate_up_proj [E, H, 2I] interleaved, down_proj [E, I, H], biases
+            bias = kind.endswith("_bias")
+            if kind.startswith("gate_up"):
+                pieces = {"gate": arr[..., ::2], "up": arr[..., 1::2]}
+            else:
+                pieces = {"down": arr}
+            for proj, piece in pieces.items():
+                piece = piece if bias else np.ascontiguousarray(piece.swapaxes(1, 2))  # output-major
+                gname = f"blk.{layer}.ffn_{proj}_exps.{'bias' if bias else 'weight'}"
+                if mxfp4 and not bias:
+                    q = gguf.quants.quantize(piece, gguf.GGMLQuantizationType.MXFP4)
+                    written[gname] = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.MXFP4)
+                    w.add_tensor(gname, q, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+                else:
+                    w.add_tensor(gname, np.ascontiguousarray(piece))
+            continue
+        gname = "attn_sinks.weight" if kind == "sinks" else f"{parts[base]}.{kind}"
+        w.add_tensor(f"blk.{layer}.{gname}", np.ascontiguousarray(arr))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return written
+
+
+def test_gpt_oss_gguf_matches_safetensors_and_dequantizes_mxfp4_experts(tiny_model_dirs, tmp_path):
+    """llama.cpp keeps gpt-oss's SwiGLU limit (7) in code, not in the file: the reference
+    here is the same weights with that limit."""
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(tiny_model_dirs["gpt_oss"], hf_dir)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**cfg, "swiglu_limit": 7.0}))
+    plain, quantized = str(tmp_path / "oss.gguf"), str(tmp_path / "oss-mxfp4.gguf")
+    _write_gpt_oss_gguf(str(hf_dir), plain, mxfp4=False)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompt = list(range(10, 40))  # several windows of 8
+    a = LLM(str(hf_dir), dtype="float32", kv_cache_tokens=1024).generate(prompt, params)[0]
+    b = LLM(plain, dtype="float32", kv_cache_tokens=1024).generate(prompt, params)[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    expected = _write_gpt_oss_gguf(str(hf_dir), quantized, mxfp4=True)
+    moe = LLM(quantized, dtype="float32", kv_cache_tokens=1024).engine.runner.model.model.layers[1].mlp
+    size = moe.w_down.shape[2]
+    assert torch.equal(moe.w_gate_up[:, :size], torch.from_numpy(expected["blk.1.ffn_gate_exps.weight"]))
+    assert torch.equal(moe.w_down, torch.from_numpy(expected["blk.1.ffn_down_exps.weight"]))

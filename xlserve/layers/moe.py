@@ -96,31 +96,40 @@ class SparseMoE(nn.Module):
                 self.shared_expert_gate = Linear(hidden, 1, bias=False)
 
     def load(self, shard: tuple, loaded: torch.Tensor) -> set:
-        """A checkpoint tensor into the stacked weights; returns the (expert, part) shards it
-        filled. ``shard``: (expert, part) for one expert's projection (Mixtral, Qwen, DeepSeek),
-        or (None, part) for every expert's in one tensor: Llama 4's input-major "gate_up_proj"
-        ([E, hidden, 2 x size], gate first) and "down_proj" ([E, size, hidden]), or GGUF's
-        output-major "gate_exps", "up_exps", "down_exps"."""
+        """A checkpoint tensor into the stacked weights (or biases); returns the (expert, part)
+        shards it filled. ``shard``: (expert, part) for one expert's projection (Mixtral, Qwen,
+        DeepSeek), or (None, part) for every expert's in one tensor: "gate_up_proj" and
+        "down_proj" input-major ([E, hidden, 2 x size] gate first, [E, size, hidden]: Llama 4,
+        gpt-oss), or GGUF's output-major "gate_exps", "up_exps", "down_exps"; a "_bias" part
+        fills the biases the same way (gpt-oss)."""
         expert, part = shard
         size = self.w_down.shape[2]
-        experts = slice(None) if expert is None else expert
-        targets = {"gate": self.w_gate_up.data[experts, :size], "up": self.w_gate_up.data[experts, size:],
-                   "down": self.w_down.data[experts]}
         if expert is not None:
-            copy_checked(targets[part], loaded, f"expert {expert} {part}")
+            target = {"gate": self.w_gate_up.data[expert, :size], "up": self.w_gate_up.data[expert, size:],
+                      "down": self.w_down.data[expert]}[part]
+            copy_checked(target, loaded, f"expert {expert} {part}")
             return {shard}
-        if part.endswith("_proj"):  # Llama 4, input-major
-            parts = ("gate", "up") if part == "gate_up_proj" else ("down",)
-            target = self.w_gate_up.data if part == "gate_up_proj" else self.w_down.data
-            copy_checked(target, loaded.transpose(1, 2), f"experts {part}")
+        bias = part.endswith("_bias")
+        base = part.removesuffix("_bias")
+        gate_up, down = (self.b_gate_up, self.b_down) if bias else (self.w_gate_up, self.w_down)
+        if gate_up is None:
+            raise ValueError(f"experts {part}: this model's experts have no biases")
+        if base in ("gate_up_proj", "down_proj"):  # every projection of every expert
+            parts = ("gate", "up") if base == "gate_up_proj" else ("down",)
+            target = gate_up if base == "gate_up_proj" else down
+            copy_checked(target.data, loaded if bias else loaded.transpose(1, 2), f"experts {part}")
         else:
-            parts = (part.removesuffix("_exps"),)
-            copy_checked(targets[parts[0]], loaded, f"experts {part}")
-        return {(e, p) for e in range(self.num_experts) for p in parts}
+            parts = (base.removesuffix("_exps"),)
+            halves = {"gate": gate_up.data[:, :size], "up": gate_up.data[:, size:], "down": down.data}
+            copy_checked(halves[parts[0]], loaded, f"experts {part}")
+        suffix = "_bias" if bias else ""
+        return {(e, p + suffix) for e in range(self.num_experts) for p in parts}
 
     def expected_loads(self, prefix: str) -> set:
         """(parameter name, shard) pairs a complete checkpoint fills."""
         parts = {"w_gate_up": ("gate", "up"), "w_down": ("down",)}
+        if self.b_gate_up is not None:
+            parts.update(b_gate_up=("gate_bias", "up_bias"), b_down=("down_bias",))
         return {(f"{prefix}.{name}", (e, part)) for name, names in parts.items() for part in names
                 for e in range(self.num_experts)}
 

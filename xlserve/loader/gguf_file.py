@@ -44,6 +44,9 @@ LAYER_TENSOR_NAMES = {
 # Gemma 3 norms around attention and MLP (its ffn_norm is the pre-MLP norm, not Llama's post-attention one)
 GEMMA_LAYER_TENSOR_NAMES = {**LAYER_TENSOR_NAMES, "post_attention_norm": "post_attention_layernorm",
                             "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# gpt-oss: the pre-MLP norm keeps Llama's meaning under Gemma's name; the sinks are a per-head vector
+GPT_OSS_LAYER_TENSOR_NAMES = {**LAYER_TENSOR_NAMES, "post_attention_norm": "post_attention_layernorm",
+                              "attn_sinks": "self_attn.sinks"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
@@ -85,7 +88,22 @@ class GGUFFile:
             cfg.update(self._moe_config(arch, experts, names, cfg["num_hidden_layers"]))
         if arch == "gemma3":
             cfg.update(self._gemma3_config(cfg))
+        if arch == "gpt-oss":
+            cfg.update(self._gpt_oss_config(cfg))
         return cfg
+
+    def _gpt_oss_config(self, cfg: dict) -> dict:
+        """Sliding windows on every other layer from the first, biases everywhere, and YaRN as
+        the reference runs it (no truncation of the ramp)."""
+        m = self.meta
+        layers = cfg["num_hidden_layers"]
+        scaling = {}
+        if m.get("gpt-oss.rope.scaling.type") == "yarn":
+            scaling = {"rope_type": "yarn", "factor": float(m["gpt-oss.rope.scaling.factor"]), "truncate": False,
+                       "original_max_position_embeddings": int(m["gpt-oss.rope.scaling.original_context_length"])}
+        return {"model_type": "gpt_oss", "attention_bias": True, "rope_scaling": scaling,
+                "sliding_window": int(m["gpt-oss.attention.sliding_window"]),
+                "layer_types": ["full_attention" if i % 2 else "sliding_attention" for i in range(layers)]}
 
     def _gemma3_config(self, cfg: dict) -> dict:
         """What llama.cpp fixes for Gemma 3 instead of storing: every sixth layer global, the
@@ -116,8 +134,10 @@ class GGUFFile:
         cfg = self.hf_config()
         permute = cfg["architectures"][0] in ("LlamaForCausalLM", "MixtralForCausalLM")  # llama.cpp's "llama"
         gemma = cfg.get("model_type") == "gemma3_text"
+        layer_names = {"gemma3_text": GEMMA_LAYER_TENSOR_NAMES, "gpt_oss": GPT_OSS_LAYER_TENSOR_NAMES}.get(
+            cfg.get("model_type"), LAYER_TENSOR_NAMES)
         for t in self.tensors:
-            name = self._hf_name(t.name, GEMMA_LAYER_TENSOR_NAMES if gemma else LAYER_TENSOR_NAMES)
+            name = self._hf_name(t.name, layer_names)
             tensor = self._tensor(t, dequantize)
             release(self._data, t)
             if gemma and name.endswith("norm.weight"):  # llama.cpp stores Gemma's 1 + weight

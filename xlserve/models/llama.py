@@ -26,7 +26,8 @@ from xlserve.models.arch import ModelArch
 _EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(\w+)\.weight")
 # every expert's projection in one tensor: Llama 4's input-major gate_up / down, GGUF's
 # output-major gate / up / down ("_exps")
-_ALL_EXPERTS = re.compile(r"(.*\.mlp)\.experts\.(gate_up_proj|down_proj|gate_exps|up_exps|down_exps)(?:\.weight)?")
+_ALL_EXPERTS = re.compile(
+    r"(.*\.mlp)\.experts\.(gate_up_proj|down_proj|gate_exps|up_exps|down_exps)(_bias|\.bias|\.weight)?")
 # checkpoint projection name -> (fused module name, shard id)
 STACKED_PARAMS = {
     "q_proj": ("qkv_proj", "q"),
@@ -287,7 +288,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             prefix = name.rsplit(".", 1)[0]
             module = self.get_submodule(prefix)
-            if isinstance(module, SparseMoE) and name.rsplit(".", 1)[1] in ("w_gate_up", "w_down"):
+            if isinstance(module, SparseMoE) and name.rsplit(".", 1)[1] in ("w_gate_up", "w_down", "b_gate_up",
+                                                                           "b_down"):
                 expected |= {load for load in module.expected_loads(prefix) if load[0] == name}
                 continue
             shards = module.shard_offsets if isinstance(module, MergedLinear) else {None: None}
@@ -304,8 +306,9 @@ def _param_name(name: str, stacked_params: dict) -> tuple[str, object]:
         return f"{m.group(1)}.{stacked}", (int(m.group(2)), part)
     m = _ALL_EXPERTS.fullmatch(name)
     if m:
-        part = m.group(2)
-        return f"{m.group(1)}.{'w_down' if part.startswith('down') else 'w_gate_up'}", (None, part)
+        bias = m.group(3) in ("_bias", ".bias")
+        stacked = ("b_" if bias else "w_") + ("down" if m.group(2).startswith("down") else "gate_up")
+        return f"{m.group(1)}.{stacked}", (None, m.group(2) + ("_bias" if bias else ""))
     for proj, (fused, shard_id) in stacked_params.items():
         if f".{proj}." in name:
             return name.replace(f".{proj}.", f".{fused}."), shard_id

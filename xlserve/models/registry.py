@@ -25,7 +25,8 @@ MODEL_REGISTRY = {
 
 # GGUF general.architecture -> Hugging Face architecture name
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "qwen3moe": "Qwen3MoeForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                      "qwen3moe": "Qwen3MoeForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                      "gpt-oss": "GptOssForCausalLM"}
 # ... when the file has experts (llama.cpp writes Mixtral as "llama")
 GGUF_MOE_ARCHITECTURES = {"llama": "MixtralForCausalLM"}
 
