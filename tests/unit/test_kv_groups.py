@@ -83,3 +83,14 @@ def test_windowed_blocks_hand_off_and_give_a_prefix_hit(tiny_model_dirs):
     with pytest.raises(PermissionError, match="window"):  # the window at block 10 was not pinned
         prefill.engine.kv.export_pinned(grant.pin_id, grant.secret, hashes[:10])
     assert prefill.engine.kv.unpin(grant.pin_id)
+
+
+def test_a_windowed_payload_that_does_not_fit_whole_is_not_imported_in_part(tiny_model_dirs):
+    path = tiny_model_dirs["gemma3"]
+    prompt = list(range(20, 90))
+    prefill = LLM(path, dtype="float32", block_size=4, kv_cache_tokens=1024)
+    prefill.generate(prompt, SamplingParams(max_tokens=1, temperature=0))
+    payload = prefill.engine.kv.export(prefill.engine.prompt_block_hashes(prompt))
+    small = LLM(path, dtype="float32", block_size=4, num_kv_blocks=20)  # 21 blocks needed
+    assert small.engine.kv.import_blocks(payload) == 0
+    assert small.engine.kv.num_used_blocks == 0 and not small.engine.kv.pool.cached

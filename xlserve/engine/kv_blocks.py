@@ -165,13 +165,15 @@ class KVBlockStore:
 
     def import_(self, payload: KVPayload) -> int:
         """Write the payload's blocks into free slots and publish them; returns how many of its
-        leading blocks are now cached here in every group (fewer when the pool is short)."""
+        leading blocks are now cached here in every group (fewer when the pool is short; none
+        when a windowed layout does not fit whole)."""
         if payload.layout != self.layout:
             raise ValueError(f"KV layout mismatch: got {payload.layout}, this engine has {self.layout}")
         hashes = payload.block_hashes
         n = len(hashes)
         while n and self._blocks_missing(hashes, n) > self.pool.num_free_blocks:
-            n -= 1
+            # a shorter prefix needs windows the payload does not carry: with windows, all or nothing
+            n = 0 if self.layout.windows else n - 1
         placed = self._placements(len(hashes))
         views = self._views()
         held: list[KVBlock] = []  # referenced until the end, so a later block never evicts an earlier one
