@@ -46,7 +46,7 @@ def test_a_generation_many_windows_long_keeps_pool_use_bounded_and_equals_transf
     160 tokens (40 blocks per group, 2 to 4 groups) without freeing."""
     path = tiny_model_dirs[arch]
     prompt = list(range(20, 30))
-    llm = LLM(path, dtype="float32", num_kv_blocks=64, block_size=4)
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, block_size=4, max_num_batched_tokens=16)
     engine = llm.engine
     request = engine.add_request("long", prompt, GREEDY)
     held = []
@@ -94,3 +94,16 @@ def test_a_windowed_payload_that_does_not_fit_whole_is_not_imported_in_part(tiny
     small = LLM(path, dtype="float32", block_size=4, num_kv_blocks=20)  # 21 blocks needed
     assert small.engine.kv.import_blocks(payload) == 0
     assert small.engine.kv.num_used_blocks == 0 and not small.engine.kv.pool.cached
+
+
+def test_a_request_the_pool_cannot_hold_with_its_windows_is_refused_up_front(tiny_model_dirs):
+    """A 200-token request in 64 blocks of 4: group 0 needs 50; each sliding group up to the
+    window (8) plus a step's tokens. With 16-token steps that is 7 blocks each (64 in all: it
+    runs); with 1,024-token steps a (re)computed prefill spans everything (150: refused)."""
+    path = tiny_model_dirs["gemma3"]
+    params = SamplingParams(max_tokens=160, temperature=0, ignore_eos=True)
+    small_steps = LLM(path, dtype="float32", num_kv_blocks=64, block_size=4, max_num_batched_tokens=16)
+    assert len(small_steps.generate(list(range(20, 60)), params)[0].outputs[0].token_ids) == 160
+    large_steps = LLM(path, dtype="float32", num_kv_blocks=64, block_size=4)
+    with pytest.raises(ValueError, match="150 blocks"):
+        large_steps.generate(list(range(20, 60)), params)

@@ -108,6 +108,17 @@ class KVCacheManager:
         blocks = [self.pool.lookup(h, group) for h in hashes[first:hit]]
         return None if None in blocks else [None] * first + blocks
 
+    def blocks_for(self, num_tokens: int, step_tokens: int) -> int:
+        """The most blocks one request of ``num_tokens`` holds at once, computing at most
+        ``step_tokens`` a step: every block in group 0; in a windowed group, those spanning a
+        step's tokens and the window before them."""
+        bs = self.block_size
+        total = -(-num_tokens // bs)
+        for group in self.groups[1:]:
+            span = group.window.size - 1 + min(step_tokens, num_tokens)
+            total += min(-(-num_tokens // bs), -(-span // bs) + 1)
+        return total
+
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.stats.queried_tokens += num_tokens
         self.stats.hit_tokens += num_hit_tokens

@@ -89,11 +89,12 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is "
                              f"{self.max_model_len} tokens, so a prompt may have at most "
                              f"{self.max_model_len - 1}")
-        capacity = self.num_blocks * self.block_size
         need = min(len(ids) + params.max_tokens, self.max_model_len)
-        if need > capacity:
+        blocks = self.kv.blocks_for(need, self.config.scheduler.max_num_batched_tokens)
+        if blocks > self.num_blocks:
             raise ValueError(f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) needs {need} "
-                             f"tokens of KV cache; the pool holds {capacity}")
+                             f"tokens of KV cache ({blocks} blocks); the pool holds {self.num_blocks} blocks of "
+                             f"{self.block_size} tokens")
         if (params.stop or params.guided) and self.tokenizer is None:
             raise ValueError("stop strings and guided decoding need a tokenizer; this model has none")
         if params.guided is not None:
