@@ -34,6 +34,26 @@ DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 MAX_PIN_SECONDS = 600.0
 
 
+def cached_prefix(pool: BlockPool, groups: tuple[KVGroup, ...], hashes: list[BlockHash],
+                  block_size: int) -> list[list[KVBlock]]:
+    """The longest prefix of ``hashes`` cached in every layer group: group 0's blocks, then
+    each windowed group's blocks inside the window at the prefix's end (prefix hits and the
+    hand-off both start from this)."""
+    full = []
+    for h in hashes:
+        block = pool.lookup(h)
+        if block is None:
+            break
+        full.append(block)
+    n = len(full)
+    while True:  # n == 0 always holds: no window to have
+        windows = [[pool.lookup(h, g) for h in hashes[group.first_block(n * block_size, block_size):n]]
+                   for g, group in enumerate(groups[1:], start=1)]
+        if all(None not in w for w in windows):
+            return [full[:n], *windows]
+        n -= 1
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """What a block's bytes mean; two engines exchange blocks only if their layouts match.
@@ -114,20 +134,7 @@ class KVBlockStore:
         return [tuple(part.view(-1, bs, hk, d) for part in slot) for slot in self.kv_caches]
 
     def cached_prefix(self, hashes: list[BlockHash]) -> list[list[KVBlock]]:
-        """The longest prefix of ``hashes`` cached in every group: group 0's blocks, then each
-        windowed group's blocks inside the window at the prefix's end."""
-        full = []
-        for h in hashes:
-            block = self.pool.lookup(h)
-            if block is None:
-                break
-            full.append(block)
-        for n in range(len(full), -1, -1):
-            windows = [[self.pool.lookup(h, g) for h in hashes[first:n]]
-                       for g, first in enumerate(self.layout.window_starts(n), start=1)]
-            if all(None not in w for w in windows):
-                return [full[:n], *windows]
-        return [[] for _ in self.groups]
+        return cached_prefix(self.pool, self.groups, hashes, self.layout.block_size)
 
     def export_pinned(self, pin_id: str, secret: str, hashes: list[BlockHash]) -> KVPayload:
         """The blocks of pin ``pin_id`` named by ``hashes`` (a prefix of the pin), for the

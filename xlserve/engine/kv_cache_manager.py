@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from xlserve.engine.block_pool import BlockPool, KVBlock
-from xlserve.engine.kv_blocks import KVBlockStore, KVLayout, KVPayload, PinGrant
+from xlserve.engine.kv_blocks import KVBlockStore, KVLayout, KVPayload, PinGrant, cached_prefix
 from xlserve.engine.kv_groups import KVGroup
 from xlserve.engine.request import Request
 from xlserve.hashing import BlockHash
@@ -91,22 +91,9 @@ class KVCacheManager:
         if not self.enable_caching:
             return [[] for _ in self.groups], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
-        full = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.pool.lookup(block_hash)
-            if block is None:
-                break
-            full.append(block)
-        for hit in range(len(full), -1, -1):  # the longest prefix whose windows are cached too
-            windows = [self._window_hits(g, request.block_hashes, hit) for g in range(1, len(self.groups))]
-            if all(w is not None for w in windows):
-                return [full[:hit], *windows], hit * self.block_size
-        return [[] for _ in self.groups], 0
-
-    def _window_hits(self, group: int, hashes: list[BlockHash], hit: int) -> list | None:
-        first = self.groups[group].first_block(hit * self.block_size, self.block_size)
-        blocks = [self.pool.lookup(h, group) for h in hashes[first:hit]]
-        return None if None in blocks else [None] * first + blocks
+        full, *windows = cached_prefix(self.pool, self.groups, request.block_hashes[:max_blocks], self.block_size)
+        hit = len(full)
+        return [full, *([None] * (hit - len(w)) + w for w in windows)], hit * self.block_size
 
     def blocks_for(self, num_tokens: int, step_tokens: int) -> int:
         """The most blocks one request of ``num_tokens`` holds at once, computing at most
