@@ -63,6 +63,24 @@ def test_not_a_gguf_file(tmp_path):
         LLM(str(f))
 
 
+def _gguf_writer(out: str, arch: str, vocab_size: int):
+    """A GGUF writer with a stand-in tokenizer of ``vocab_size`` tokens "<t0>", "<t1>"..."""
+    import gguf
+    w = gguf.GGUFWriter(out, arch)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"<t{i}>" for i in range(vocab_size)])
+    w.add_token_types([1] * vocab_size)
+    w.add_token_merges([])
+    return w
+
+
+def _finish(w) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def _write_gguf(hf_dir: str, out: str, quantize: bool):
     """Write a llama GGUF from a tiny HF llama the way llama.cpp's converter does
     (query/key rows permuted for its rope layout)."""
@@ -70,7 +88,7 @@ def _write_gguf(hf_dir: str, out: str, quantize: bool):
     from safetensors.torch import load_file
     cfg = json.loads(open(os.path.join(hf_dir, "config.json")).read())
     state = load_file(os.path.join(hf_dir, "model.safetensors"))
-    w = gguf.GGUFWriter(out, "llama")
+    w = _gguf_writer(out, "llama", cfg["vocab_size"])
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
@@ -79,11 +97,6 @@ def _write_gguf(hf_dir: str, out: str, quantize: bool):
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(ModelArch.from_hf_config(cfg).rope_theta)
-    w.add_tokenizer_model("gpt2")
-    tokens = [f"<t{i}>" for i in range(cfg["vocab_size"])]
-    w.add_token_list(tokens)
-    w.add_token_types([1] * len(tokens))
-    w.add_token_merges([])
     w.add_eos_token_id(2)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
@@ -107,22 +120,18 @@ def _write_gguf(hf_dir: str, out: str, quantize: bool):
                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
             w.add_tensor(gname, np.ascontiguousarray(arr))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
 
 
 def _write_moe_gguf(hf_dir: str, out: str, arch: str):
     """A MoE GGUF as llama.cpp's converter writes one: experts stacked per layer, a dense
     layer without router, the norm_topk_prob flag as expert_weights_norm; Mixtral as "llama"
     with its query/key rows permuted."""
-    import gguf
     from safetensors.torch import load_file
     cfg = json.loads(open(os.path.join(hf_dir, "config.json")).read())
     cfg["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     state = load_file(os.path.join(hf_dir, "model.safetensors"))
-    w = gguf.GGUFWriter(out, arch)
+    w = _gguf_writer(out, arch, cfg["vocab_size"])
     for add, value in ((w.add_block_count, cfg["num_hidden_layers"]), (w.add_embedding_length, cfg["hidden_size"]),
                        (w.add_context_length, cfg["max_position_embeddings"]),
                        (w.add_feed_forward_length, cfg["intermediate_size"]),
@@ -135,10 +144,6 @@ def _write_moe_gguf(hf_dir: str, out: str, arch: str):
                        (w.add_expert_weights_norm, cfg.get("norm_topk_prob", True))):
         add(value)
     w.add_rope_freq_base(ModelArch.from_hf_config(cfg).rope_theta)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"<t{i}>" for i in range(cfg["vocab_size"])])
-    w.add_token_types([1] * cfg["vocab_size"])
-    w.add_token_merges([])
     parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
@@ -166,10 +171,7 @@ def _write_moe_gguf(hf_dir: str, out: str, arch: str):
     for (layer, proj), by_expert in experts.items():
         stacked = np.stack([by_expert[e] for e in sorted(by_expert)])
         w.add_tensor(f"blk.{layer}.ffn_{proj.removesuffix('_proj')}_exps.weight", np.ascontiguousarray(stacked))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
 
 
 @pytest.mark.parametrize("name,arch,expected,dense", [("qwen3_moe", "qwen3moe", "Qwen3MoeForCausalLM", [1]),
@@ -276,7 +278,7 @@ def test_gemma3_gguf_matches_safetensors_of_the_same_weights(tmp_path):
     hf_dir = tmp_path / "hf"
     model.save_pretrained(hf_dir)
     out = str(tmp_path / "gemma3.gguf")
-    w = gguf.GGUFWriter(out, "gemma3")
+    w = _gguf_writer(out, "gemma3", 320)
     for add, value in ((w.add_block_count, 6), (w.add_context_length, 512), (w.add_embedding_length, 64),
                        (w.add_feed_forward_length, 128), (w.add_head_count, 4), (w.add_head_count_kv, 2),
                        (w.add_key_length, 16), (w.add_value_length, 16), (w.add_layer_norm_rms_eps, 1e-6),
@@ -284,10 +286,6 @@ def test_gemma3_gguf_matches_safetensors_of_the_same_weights(tmp_path):
         add(value)
     w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
     w.add_rope_scaling_factor(2.0)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"<t{i}>" for i in range(320)])
-    w.add_token_types([1] * 320)
-    w.add_token_merges([])
     parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
              "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -303,10 +301,7 @@ def test_gemma3_gguf_matches_safetensors_of_the_same_weights(tmp_path):
         else:
             gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[name]
         w.add_tensor(gname, np.ascontiguousarray(arr))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     prompt = list(range(10, 40))  # several windows of 8
     a = LLM(str(hf_dir), dtype="float32", kv_cache_tokens=1024).generate(prompt, params)[0]
@@ -322,7 +317,7 @@ def _write_gpt_oss_gguf(hf_dir: str, out: str, mxfp4: bool) -> dict:
     cfg = json.loads(open(os.path.join(hf_dir, "config.json")).read())
     rope = cfg["rope_parameters"]
     state = load_file(os.path.join(hf_dir, "model.safetensors"))
-    w = gguf.GGUFWriter(out, "gpt-oss")
+    w = _gguf_writer(out, "gpt-oss", cfg["vocab_size"])
     for add, value in ((w.add_block_count, cfg["num_hidden_layers"]), (w.add_embedding_length, cfg["hidden_size"]),
                        (w.add_context_length, cfg["max_position_embeddings"]),
                        (w.add_feed_forward_length, cfg["intermediate_size"]),
@@ -337,10 +332,6 @@ def _write_gpt_oss_gguf(hf_dir: str, out: str, mxfp4: bool) -> dict:
                        (w.add_rope_scaling_orig_ctx_len, rope["original_max_position_embeddings"])):
         add(value)
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"<t{i}>" for i in range(cfg["vocab_size"])])
-    w.add_token_types([1] * cfg["vocab_size"])
-    w.add_token_merges([])
     parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "self_attn": "attn", "mlp.router": "ffn_gate_inp"}
@@ -372,10 +363,7 @@ def _write_gpt_oss_gguf(hf_dir: str, out: str, mxfp4: bool) -> dict:
             continue
         gname = "attn_sinks.weight" if kind == "sinks" else f"{parts[base]}.{kind}"
         w.add_tensor(f"blk.{layer}.{gname}", np.ascontiguousarray(arr))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
     return written
 
 
