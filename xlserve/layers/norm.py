@@ -7,6 +7,13 @@ from torch import nn
 from xlserve.kernels import cpu_ops
 
 
+def normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dimension, in float32 (every norm here; alone, Llama 4's
+    weightless q/k L2 norm)."""
+    y = x.float()
+    return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -16,10 +23,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == self.weight.dtype and cpu_ops.usable(x, self.weight):
             return cpu_ops.rmsnorm(x, self.weight, self.eps)  # the same rounding, one call
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * normalized(x, self.eps).to(x.dtype)
 
 
 class Float32WeightRMSNorm(nn.Module):
@@ -32,9 +36,7 @@ class Float32WeightRMSNorm(nn.Module):
         self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (self.offset + self.weight.float())).to(x.dtype)
+        return (normalized(x, self.eps) * (self.offset + self.weight.float())).to(x.dtype)
 
 
 class GemmaRMSNorm(Float32WeightRMSNorm):

@@ -19,7 +19,7 @@ from xlserve.layers.linear import Linear, MergedLinear, copy_checked, linear
 from xlserve.layers.mla import LatentAttention
 from xlserve.layers.mlp import MLP
 from xlserve.layers.moe import EXPERT_PARTS, SparseMoE
-from xlserve.layers.norm import rms_norm
+from xlserve.layers.norm import normalized, rms_norm
 from xlserve.layers.rotary import PositionEncoding, QueryTemperature, RotaryEmbedding
 from xlserve.models.arch import ModelArch
 
@@ -83,15 +83,10 @@ class Attention(nn.Module):
         if not fused_rope:
             q, k = self.positional(tables, q, k)
         if self.l2_norm:
-            q, k = _l2_norm(q, self.eps), _l2_norm(k, self.eps)
+            q, k = normalized(q, self.eps).to(q.dtype), normalized(k, self.eps).to(k.dtype)
         meta = meta.groups.get(self.kv_group, meta)
         out = self.backend.forward(q, k, v, self.kv_cache, meta, self.window, self.scale, self.sinks).reshape(n, -1)
         return self.o_proj(out) if project_out else out
-
-
-def _l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    y = x.float()
-    return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
