@@ -8,7 +8,8 @@ import pytest
 
 from xlserve import LLM, SamplingParams
 from xlserve.engine.decode_plan import IMPLEMENTS, DecodePath, StepShape, plan_decode
-from xlserve.models.arch import DIMENSIONS, FEATURES, ModelArch
+from xlserve.layers.moe import ROUTES
+from xlserve.models.arch import DIMENSIONS, FEATURES, ModelArch, Router
 
 ALL_FAST = StepShape(decode_only=True, rows=2, graph_fits=False, cpu_kernels=True, one_call_fits=True)
 
@@ -19,6 +20,7 @@ def test_every_model_flag_is_declared_by_every_path():
     fields = {f.name for f in dataclasses.fields(ModelArch)}
     assert fields == DIMENSIONS | FEATURES and not DIMENSIONS & FEATURES
     assert set(IMPLEMENTS) == set(DecodePath)
+    assert set(ROUTES) == set(Router)  # every router kind a config can name has its routing
     assert all(implemented <= FEATURES for implemented in IMPLEMENTS.values())
 
 

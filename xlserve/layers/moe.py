@@ -44,22 +44,24 @@ class ExpertRouter(nn.Module):
             self.n_group, self.topk_group, self.scale = arch.n_group, arch.topk_group, arch.routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k], experts [T, k]); weights in x's dtype (softmax, Llama 4) or float32
-        (DeepSeek), as the reference implementations round them."""
-        if self.kind is Router.SIGMOID_GROUPED:
-            return self._sigmoid_grouped(x)
-        logits = nn.functional.linear(x, self.weight, self.bias)
-        if self.kind is Router.SIGMOID_TOPK_INPUT:
-            top, experts = logits.topk(self.top_k, dim=-1)
-            return torch.sigmoid(top.float()).to(x.dtype), experts
-        if self.kind is Router.TOPK_SOFTMAX:
-            top, experts = logits.topk(self.top_k, dim=-1)
-            return torch.softmax(top, dim=-1), experts
-        probs = torch.softmax(logits.float(), dim=-1)
+        """(weights [T, k], experts [T, k]); weights in x's dtype (DeepSeek's in float32), as
+        the reference implementations round them."""
+        return ROUTES[self.kind](self, x)
+
+    def _softmax_topk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(nn.functional.linear(x, self.weight, self.bias).float(), dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
+
+    def _sigmoid_topk_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top, experts = nn.functional.linear(x, self.weight, self.bias).topk(self.top_k, dim=-1)
+        return torch.sigmoid(top.float()).to(x.dtype), experts
+
+    def _topk_softmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top, experts = nn.functional.linear(x, self.weight, self.bias).topk(self.top_k, dim=-1)
+        return torch.softmax(top, dim=-1), experts
 
     def _sigmoid_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = nn.functional.linear(x.float(), self.weight.float()).sigmoid()
@@ -73,6 +75,10 @@ class ExpertRouter(nn.Module):
         if self.normalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.scale, experts
+
+
+ROUTES = {Router.SOFTMAX_TOPK: ExpertRouter._softmax_topk, Router.SIGMOID_GROUPED: ExpertRouter._sigmoid_grouped,
+          Router.SIGMOID_TOPK_INPUT: ExpertRouter._sigmoid_topk_input, Router.TOPK_SOFTMAX: ExpertRouter._topk_softmax}
 
 
 class SparseMoE(nn.Module):
