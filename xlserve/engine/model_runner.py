@@ -136,11 +136,10 @@ class ModelRunner:
         for s in scheduled:
             table, n, start = s.window_block_ids[g - 1], len(s.token_ids), s.start_position
             slots.append(self._slots(table, start, start + n))
+            first = window.first_key(start)  # the earliest key this step's queries read
             if n == 1:
-                first = window.first_key(start)
                 decode.append((self._slots(table, first, start + 1), start + 1 - first))
             else:
-                first = window.first_key(start)
                 context = None if start == 0 else self._slots(table, first, start + n).to(self.device)
                 prefills.append(PrefillChunk(row, row + n, context, context_start=first))
             row += n
