@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.unit.gguf_writing import finish, gguf_writer, llama3_rope_factors
 from xlserve import LLM, SamplingParams
 from xlserve.loader.gguf_file import GGUFFile
 from xlserve.models.arch import ModelArch
@@ -63,32 +64,14 @@ def test_not_a_gguf_file(tmp_path):
         LLM(str(f))
 
 
-def _gguf_writer(out: str, arch: str, vocab_size: int):
-    """A GGUF writer with a stand-in tokenizer of ``vocab_size`` tokens "<t0>", "<t1>"..."""
-    import gguf
-    w = gguf.GGUFWriter(out, arch)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"<t{i}>" for i in range(vocab_size)])
-    w.add_token_types([1] * vocab_size)
-    w.add_token_merges([])
-    return w
-
-
-def _finish(w) -> None:
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 def _write_gguf(hf_dir: str, out: str, quantize: bool):
     """Write a llama GGUF from a tiny HF llama the way llama.cpp's converter does
-    (query/key rows permuted for its rope layout)."""
+    (query/key rows permuted for its rope layout; Llama 3 rope scaling as a rope_freqs tensor)."""
     import gguf
     from safetensors.torch import load_file
     cfg = json.loads(open(os.path.join(hf_dir, "config.json")).read())
     state = load_file(os.path.join(hf_dir, "model.safetensors"))
-    w = _gguf_writer(out, "llama", cfg["vocab_size"])
+    w = gguf_writer(out, "llama", cfg["vocab_size"])
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
@@ -96,8 +79,11 @@ def _write_gguf(hf_dir: str, out: str, quantize: bool):
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(ModelArch.from_hf_config(cfg).rope_theta)
+    arch = ModelArch.from_hf_config(cfg)
+    w.add_rope_freq_base(arch.rope_theta)
     w.add_eos_token_id(2)
+    if arch.rope_scaling_dict.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(arch.rope_scaling_dict, arch.head_dim, arch.rope_theta))
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -120,7 +106,7 @@ def _write_gguf(hf_dir: str, out: str, quantize: bool):
                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
             w.add_tensor(gname, np.ascontiguousarray(arr))
-    _finish(w)
+    finish(w)
 
 
 def _write_moe_gguf(hf_dir: str, out: str, arch: str):
@@ -131,7 +117,7 @@ def _write_moe_gguf(hf_dir: str, out: str, arch: str):
     cfg = json.loads(open(os.path.join(hf_dir, "config.json")).read())
     cfg["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     state = load_file(os.path.join(hf_dir, "model.safetensors"))
-    w = _gguf_writer(out, arch, cfg["vocab_size"])
+    w = gguf_writer(out, arch, cfg["vocab_size"])
     for add, value in ((w.add_block_count, cfg["num_hidden_layers"]), (w.add_embedding_length, cfg["hidden_size"]),
                        (w.add_context_length, cfg["max_position_embeddings"]),
                        (w.add_feed_forward_length, cfg["intermediate_size"]),
@@ -171,7 +157,7 @@ def _write_moe_gguf(hf_dir: str, out: str, arch: str):
     for (layer, proj), by_expert in experts.items():
         stacked = np.stack([by_expert[e] for e in sorted(by_expert)])
         w.add_tensor(f"blk.{layer}.ffn_{proj.removesuffix('_proj')}_exps.weight", np.ascontiguousarray(stacked))
-    _finish(w)
+    finish(w)
 
 
 @pytest.mark.parametrize("name,arch,expected,dense", [("qwen3_moe", "qwen3moe", "Qwen3MoeForCausalLM", [1]),
@@ -188,11 +174,15 @@ def test_moe_gguf_matches_safetensors_of_the_same_weights(tiny_model_dirs, tmp_p
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
-@pytest.mark.parametrize("quantize", [False, True])
-def test_gguf_matches_safetensors_of_the_same_weights(tiny_llama_dir, tmp_path, quantize):
+@pytest.mark.parametrize("name,quantize", [("llama", False), ("llama", True), ("llama3", False)])
+def test_gguf_matches_safetensors_of_the_same_weights(tiny_model_dirs, tmp_path, name, quantize):
+    """Also Llama 3.1's long-context rope, which llama.cpp stores as each frequency's divisor."""
+    tiny_llama_dir = tiny_model_dirs[name]
     out = str(tmp_path / "tiny.gguf")
     _write_gguf(tiny_llama_dir, out, quantize)
-    assert GGUFFile(out).hf_config()["architectures"] == ["LlamaForCausalLM"]
+    cfg = GGUFFile(out).hf_config()
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert (cfg.get("rope_scaling", {}).get("rope_type") == "freq_factors") == (name == "llama3")
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     prompt = list(range(10, 40))
     a = LLM(tiny_llama_dir, dtype="float32", kv_cache_tokens=1024).generate(prompt, params)[0]
@@ -278,7 +268,7 @@ def test_gemma3_gguf_matches_safetensors_of_the_same_weights(tmp_path):
     hf_dir = tmp_path / "hf"
     model.save_pretrained(hf_dir)
     out = str(tmp_path / "gemma3.gguf")
-    w = _gguf_writer(out, "gemma3", 320)
+    w = gguf_writer(out, "gemma3", 320)
     for add, value in ((w.add_block_count, 6), (w.add_context_length, 512), (w.add_embedding_length, 64),
                        (w.add_feed_forward_length, 128), (w.add_head_count, 4), (w.add_head_count_kv, 2),
                        (w.add_key_length, 16), (w.add_value_length, 16), (w.add_layer_norm_rms_eps, 1e-6),
@@ -301,7 +291,7 @@ def test_gemma3_gguf_matches_safetensors_of_the_same_weights(tmp_path):
         else:
             gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[name]
         w.add_tensor(gname, np.ascontiguousarray(arr))
-    _finish(w)
+    finish(w)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     prompt = list(range(10, 40))  # several windows of 8
     a = LLM(str(hf_dir), dtype="float32", kv_cache_tokens=1024).generate(prompt, params)[0]
@@ -317,7 +307,7 @@ def _write_gpt_oss_gguf(hf_dir: str, out: str, mxfp4: bool) -> dict:
     cfg = json.loads(open(os.path.join(hf_dir, "config.json")).read())
     rope = cfg["rope_parameters"]
     state = load_file(os.path.join(hf_dir, "model.safetensors"))
-    w = _gguf_writer(out, "gpt-oss", cfg["vocab_size"])
+    w = gguf_writer(out, "gpt-oss", cfg["vocab_size"])
     for add, value in ((w.add_block_count, cfg["num_hidden_layers"]), (w.add_embedding_length, cfg["hidden_size"]),
                        (w.add_context_length, cfg["max_position_embeddings"]),
                        (w.add_feed_forward_length, cfg["intermediate_size"]),
@@ -363,7 +353,7 @@ def _write_gpt_oss_gguf(hf_dir: str, out: str, mxfp4: bool) -> dict:
             continue
         gname = "attn_sinks.weight" if kind == "sinks" else f"{parts[base]}.{kind}"
         w.add_tensor(f"blk.{layer}.{gname}", np.ascontiguousarray(arr))
-    _finish(w)
+    finish(w)
     return written
 
 

@@ -1,6 +1,7 @@
 """How an attention layer encodes positions: rotary embedding with a precomputed cos/sin
 table (rotate-half layout, Llama; or interleaved pairs, DeepSeek's ``rope_interleave``, Llama
-4), with the scaling rules of long-context checkpoints (linear, Llama 3, YaRN); or no rotary
+4), with the scaling rules of long-context checkpoints (linear, Llama 3, YaRN, or GGUF's
+per-frequency factors); or no rotary
 at all with the query temperature Llama 4 gives its global layers.
 
 Both are a ``PositionEncoding``: ``tables(positions)`` once per forward (shared by every
@@ -32,6 +33,11 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
         inv = torch.where(medium, smoothed, scaled)
     elif kind == "yarn":
         inv = _yarn_inv_freq(inv, head_dim, theta, scaling)
+    elif kind == "freq_factors":  # each frequency's divisor as GGUF stores it (rope_freqs: Llama 3.1, 4)
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        if factors.shape != inv.shape:
+            raise ValueError(f"rope frequency factors: {factors.numel()} values for {inv.numel()} frequencies")
+        inv = inv / factors
     return inv
 
 

@@ -15,39 +15,13 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from xlserve.loader.gguf_arch import CONFIGS, LAYER_NAMES_BY_ARCH, LAYER_TENSOR_NAMES, TENSOR_NAMES
 from xlserve.loader.gguf_container import TensorInfo, read_gguf, release, tensor_bytes
 from xlserve.models.registry import GGUF_ARCHITECTURES, GGUF_MOE_ARCHITECTURES
 
-TENSOR_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-LAYER_TENSOR_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    # mixture of experts: the router, and every expert's projection stacked in one tensor
-    "ffn_gate_inp": "mlp.gate",
-    "ffn_gate_exps": "mlp.experts.gate_exps",
-    "ffn_up_exps": "mlp.experts.up_exps",
-    "ffn_down_exps": "mlp.experts.down_exps",
-}
-# Gemma 3 norms around attention and MLP (its ffn_norm is the pre-MLP norm, not Llama's post-attention one)
-GEMMA_LAYER_TENSOR_NAMES = {**LAYER_TENSOR_NAMES, "post_attention_norm": "post_attention_layernorm",
-                            "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
-# gpt-oss: the pre-MLP norm keeps Llama's meaning under Gemma's name; the sinks are a per-head vector
-GPT_OSS_LAYER_TENSOR_NAMES = {**LAYER_TENSOR_NAMES, "post_attention_norm": "post_attention_layernorm",
-                              "attn_sinks": "self_attn.sinks"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_ABSORBED_RE = re.compile(r"blk\.(\d+)\.attn_([kv])_b\.weight$")
+ROPE_FREQS = "rope_freqs.weight"
 
 
 class GGUFFile:
@@ -86,37 +60,13 @@ class GGUFFile:
         experts = int(m.get(f"{arch}.expert_count") or 0)
         if experts:
             cfg.update(self._moe_config(arch, experts, names, cfg["num_hidden_layers"]))
-        if arch == "gemma3":
-            cfg.update(self._gemma3_config(cfg))
-        if arch == "gpt-oss":
-            cfg.update(self._gpt_oss_config(cfg))
+        if arch in CONFIGS:
+            cfg.update(CONFIGS[arch](m, cfg, names))
+        if ROPE_FREQS in names:  # Llama 3.1 / 4 long-context scaling, stored as each frequency's divisor
+            rope_freqs = next(t for t in self.tensors if t.name == ROPE_FREQS)
+            factors = self._tensor(rope_freqs).float()
+            cfg["rope_scaling"] = {"rope_type": "freq_factors", "factors": tuple(factors.tolist())}
         return cfg
-
-    def _gpt_oss_config(self, cfg: dict) -> dict:
-        """Sliding windows on every other layer from the first, biases everywhere, and YaRN as
-        the reference runs it (no truncation of the ramp)."""
-        m = self.meta
-        layers = cfg["num_hidden_layers"]
-        scaling = {}
-        if m.get("gpt-oss.rope.scaling.type") == "yarn":
-            scaling = {"rope_type": "yarn", "factor": float(m["gpt-oss.rope.scaling.factor"]), "truncate": False,
-                       "original_max_position_embeddings": int(m["gpt-oss.rope.scaling.original_context_length"])}
-        return {"model_type": "gpt_oss", "attention_bias": True, "rope_scaling": scaling,
-                "sliding_window": int(m["gpt-oss.attention.sliding_window"]),
-                "layer_types": ["full_attention" if i % 2 else "sliding_attention" for i in range(layers)]}
-
-    def _gemma3_config(self, cfg: dict) -> dict:
-        """What llama.cpp fixes for Gemma 3 instead of storing: every sixth layer global, the
-        others sliding with rotary base 10,000; queries scaled by 1/sqrt(head_dim), except
-        the 27B (62 layers) which uses 1/sqrt(hidden / heads)."""
-        m = self.meta
-        scaling = {}
-        if m.get("gemma3.rope.scaling.type") == "linear":
-            scaling = {"rope_type": "linear", "factor": float(m["gemma3.rope.scaling.factor"])}
-        scalar = cfg["hidden_size"] // cfg["num_attention_heads"] if cfg["num_hidden_layers"] == 62 else cfg["head_dim"]
-        return {"model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh",
-                "sliding_window": int(m["gemma3.attention.sliding_window"]), "sliding_window_pattern": 6,
-                "rope_local_base_freq": 10000.0, "rope_scaling": scaling, "query_pre_attn_scalar": scalar}
 
     def _moe_config(self, arch: str, experts: int, names: set, layers: int) -> dict:
         """Experts from the metadata; which layers route from their tensors (a layer without a
@@ -130,25 +80,36 @@ class GGUFFile:
                 "norm_topk_prob": bool(m.get(f"{arch}.expert_weights_norm", True))}
 
     def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        from gguf.quants import dequantize
         cfg = self.hf_config()
         permute = cfg["architectures"][0] in ("LlamaForCausalLM", "MixtralForCausalLM")  # llama.cpp's "llama"
-        gemma = cfg.get("model_type") == "gemma3_text"
-        layer_names = {"gemma3_text": GEMMA_LAYER_TENSOR_NAMES, "gpt_oss": GPT_OSS_LAYER_TENSOR_NAMES}.get(
-            cfg.get("model_type"), LAYER_TENSOR_NAMES)
+        arch = self.meta["general.architecture"]
+        layer_names = LAYER_NAMES_BY_ARCH.get(arch, LAYER_TENSOR_NAMES)
+        absorbed: dict[str, torch.Tensor] = {}  # MLA's per-head halves of kv_b_proj, until both are read
         for t in self.tensors:
-            name = self._hf_name(t.name, layer_names)
-            tensor = self._tensor(t, dequantize)
+            if t.name == ROPE_FREQS:  # already in the config
+                continue
+            tensor = self._tensor(t)
             release(self._data, t)
-            if gemma and name.endswith("norm.weight"):  # llama.cpp stores Gemma's 1 + weight
+            if _ABSORBED_RE.match(t.name):
+                absorbed[t.name] = tensor
+                joined = _join_kv_b(absorbed, t.name)
+                if joined is None:
+                    continue
+                name, tensor = joined
+            else:
+                name = self._hf_name(t.name, layer_names)
+            if arch == "gemma3" and name.endswith("norm.weight"):  # llama.cpp stores Gemma's 1 + weight
                 tensor = tensor.float() - 1
             if permute and name.endswith(("q_proj.weight", "k_proj.weight")):
                 key = "num_attention_heads" if "q_proj" in name else "num_key_value_heads"
                 tensor = _unpermute_rope(tensor, cfg[key])
             yield name, tensor.to(dtype)
+        if absorbed:
+            raise ValueError(f"GGUF file {self.path!r} has {', '.join(sorted(absorbed))} without its other half")
 
-    def _tensor(self, t: TensorInfo, dequantize) -> torch.Tensor:
+    def _tensor(self, t: TensorInfo) -> torch.Tensor:
         from gguf import GGMLQuantizationType as Q
+        from gguf.quants import dequantize
         raw = tensor_bytes(self._data, t)
         unquantized = {Q.F32: np.float32, Q.F16: np.float16, Q.BF16: np.int16}
         if t.qtype in unquantized:  # reinterpret the bytes, no float32 detour
@@ -173,11 +134,28 @@ class GGUFFile:
             layer, part, kind = match.groups()
             if part not in layer_names:
                 raise ValueError(f"GGUF tensor {name!r} is not understood")
-            return f"model.layers.{layer}.{layer_names[part]}.{kind}"
+            target = layer_names[part]  # a module, or a whole parameter name ("..._bias")
+            return f"model.layers.{layer}.{target}" + ("" if target.endswith("_bias") else f".{kind}")
         base, kind = name.rsplit(".", 1)
         if base not in TENSOR_NAMES:
             raise ValueError(f"GGUF tensor {name!r} is not understood")
         return f"{TENSOR_NAMES[base]}.{kind}"
+
+
+def _join_kv_b(absorbed: dict[str, torch.Tensor], name: str) -> tuple[str, torch.Tensor] | None:
+    """kv_b_proj from llama.cpp's split form, once both halves of a layer are read: attn_k_b
+    [heads, rank, nope] (W_uk transposed) and attn_v_b [heads, v_dim, rank] become the
+    checkpoint's [heads x (nope + v_dim), rank]."""
+    layer = _ABSORBED_RE.match(name).group(1)
+    k_name, v_name = f"blk.{layer}.attn_k_b.weight", f"blk.{layer}.attn_v_b.weight"
+    if k_name not in absorbed or v_name not in absorbed:
+        return None
+    k_b, v_b = absorbed.pop(k_name), absorbed.pop(v_name)
+    if k_b.dim() != 3 or v_b.dim() != 3 or k_b.shape[0] != v_b.shape[0] or k_b.shape[1] != v_b.shape[2]:
+        raise ValueError(f"GGUF tensors {k_name} {tuple(k_b.shape)} and {v_name} {tuple(v_b.shape)} do not "
+                         "split one kv_b_proj")
+    joined = torch.cat((k_b.transpose(1, 2), v_b), dim=1)
+    return f"model.layers.{layer}.self_attn.kv_b_proj.weight", joined.reshape(-1, joined.shape[-1])
 
 
 def _unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:

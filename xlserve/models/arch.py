@@ -6,7 +6,7 @@ import collections
 import enum
 from dataclasses import dataclass
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")  # freq_factors: GGUF's rope_freqs
 # Every ModelArch field is one or the other (a test checks): sizes and constants, which the
 # fast paths check as shapes, and features, which change what a layer computes and which
 # each decode path declares it implements or not (engine/decode_plan.py).

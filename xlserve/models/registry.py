@@ -26,7 +26,8 @@ MODEL_REGISTRY = {
 # GGUF general.architecture -> Hugging Face architecture name
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "qwen3moe": "Qwen3MoeForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                      "gpt-oss": "GptOssForCausalLM"}
+                      "gpt-oss": "GptOssForCausalLM", "deepseek2": "DeepseekV3ForCausalLM",
+                      "llama4": "Llama4ForCausalLM"}
 # ... when the file has experts (llama.cpp writes Mixtral as "llama")
 GGUF_MOE_ARCHITECTURES = {"llama": "MixtralForCausalLM"}
 
