@@ -1,4 +1,5 @@
-"""Hugging Face model directories: config.json + safetensors (single file or sharded index)."""
+"""Hugging Face model directories: config.json + safetensors (single file or sharded index),
+quantized checkpoints dequantized as they load (``checkpoint_quantization``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 from typing import Iterator
 
 import torch
+
+from xlserve.loader.checkpoint_quantization import checkpoint_quantization
 
 
 class SafetensorsDir:
@@ -17,17 +20,33 @@ class SafetensorsDir:
                 self.config = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"cannot read config.json in {path!r}: {e}") from e
+        self.quantization = checkpoint_quantization(self.config)
         self.files = self.weight_files()
-        self.num_tensors = sum(self._count(f) for f in self.files)
+        self.location = {name: file for file in self.files for name in self._names(file)}  # tensor -> its shard
+        self.num_tensors = sum(1 for name in self.location if not self._companion(name))
+        self._open: dict[str, object] = {}  # shard -> open handle, for _fetch
 
     @staticmethod
-    def _count(file: str) -> int:
+    def _names(file: str) -> list[str]:
         from safetensors import SafetensorError, safe_open
         try:
             with safe_open(file, "pt") as f:
-                return len(f.keys())
+                return list(f.keys())
         except SafetensorError as e:
             raise ValueError(f"cannot read weights {file!r} (corrupt or truncated?): {e}") from e
+
+    def _companion(self, name: str) -> bool:
+        return self.quantization is not None and self.quantization.companion(name)
+
+    def _fetch(self, name: str) -> torch.Tensor:
+        """Any tensor by name, from whichever shard holds it (a quantized weight's scales)."""
+        from safetensors import safe_open
+        if name not in self.location:
+            raise ValueError(f"quantized checkpoint {self.path!r} lacks tensor {name!r}")
+        file = self.location[name]
+        if file not in self._open:  # one parse of each shard's header, not one per scale
+            self._open[file] = safe_open(file, "pt")
+        return self._open[file].get_tensor(name)
 
     def weight_files(self) -> list[str]:
         index = os.path.join(self.path, "model.safetensors.index.json")
@@ -51,6 +70,13 @@ class SafetensorsDir:
             try:
                 with safe_open(file, "pt") as f:
                     for name in f.keys():
-                        yield name, f.get_tensor(name).to(dtype)
+                        if not self._companion(name):
+                            yield self._plain(name, f.get_tensor(name), dtype)
             except SafetensorError as e:
                 raise ValueError(f"cannot read weights {file!r} (corrupt or truncated?): {e}") from e
+
+    def _plain(self, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> tuple[str, torch.Tensor]:
+        plain = self.quantization and self.quantization.dequantize(name, tensor, self._fetch)
+        if plain:
+            name, tensor = plain
+        return name, tensor.to(dtype)

@@ -5,9 +5,9 @@ config, so this class only maps the checkpoint's names."""
 
 import re
 
-from xlserve.models.llama import STACKED_PARAMS, LlamaForCausalLM
+from xlserve.models.llama import LANGUAGE_MODEL_RENAMES, STACKED_PARAMS, TOWERS, LlamaForCausalLM
 
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_LAYER = re.compile(r"(?:language_model\.)?model\.layers\.(\d+)\.")
 
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
@@ -20,3 +20,12 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         61 of DeepSeek-V3's 61): a draft head, not part of the model's forward."""
         layer = _LAYER.match(name)
         return super().skips(name) or (layer is not None and int(layer.group(1)) >= self.arch.num_layers)
+
+
+class KimiK25ForCausalLM(DeepseekV3ForCausalLM):
+    """The language model of Kimi K2.5 (``KimiK25ForConditionalGeneration``): DeepSeek-V3 under
+    ``language_model.``, its vision tower and projector skipped."""
+    renames = {**LANGUAGE_MODEL_RENAMES, **DeepseekV3ForCausalLM.renames}
+
+    def skips(self, name: str) -> bool:
+        return super().skips(name) or name.startswith((*TOWERS, "mm_projector."))

@@ -4,8 +4,8 @@ by a softmax over the top-k logits with a clamped SwiGLU and biases. This class 
 checkpoint: the router's name, and the experts' gate/up columns (and biases), which
 alternate gate, up, gate, up..., into our gate-then-up layout.
 
-From safetensors the weights must be unquantized (bf16 or float32); the published MXFP4
-checkpoints load from their GGUF conversion (dequantized by ``gguf``)."""
+The published checkpoints keep the experts in MXFP4: the loader dequantizes them
+(``loader/checkpoint_quantization.py``), as it does their GGUF conversion (with ``gguf``)."""
 
 import torch
 
@@ -17,7 +17,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     def adapt(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if name.endswith(("_blocks", "_scales")):
-            raise ValueError(f"{name}: MXFP4 safetensors are not supported; use a bf16 checkpoint or the GGUF")
+            raise ValueError(f"{name}: an MXFP4 tensor in a checkpoint whose config has no mxfp4 quantization_config")
         if name.endswith((".experts.gate_up_proj", ".experts.gate_up_proj_bias")):
             return torch.cat((tensor[..., ::2], tensor[..., 1::2]), dim=-1)
         return tensor

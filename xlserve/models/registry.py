@@ -12,6 +12,7 @@ MODEL_REGISTRY = {
     "Gemma3ForCausalLM": ("xlserve.models.gemma3", "Gemma3ForCausalLM"),
     "Gemma3ForConditionalGeneration": ("xlserve.models.gemma3", "Gemma3ForConditionalGeneration"),  # text
     "GptOssForCausalLM": ("xlserve.models.gpt_oss", "GptOssForCausalLM"),
+    "KimiK25ForConditionalGeneration": ("xlserve.models.deepseek", "KimiK25ForCausalLM"),  # its language model
     "LlamaForCausalLM": ("xlserve.models.llama", "LlamaForCausalLM"),
     "Llama4ForCausalLM": ("xlserve.models.llama4", "Llama4ForCausalLM"),
     "Llama4ForConditionalGeneration": ("xlserve.models.llama4", "Llama4ForCausalLM"),  # its language model

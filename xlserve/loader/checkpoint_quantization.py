@@ -1,0 +1,149 @@
+"""Quantized safetensors checkpoints, dequantized to the model's dtype as they load.
+
+The published weights of the largest families are quantized: DeepSeek-V3 and Kimi K2 in FP8
+with a float32 scale per 128 x 128 block, gpt-oss's experts in MXFP4, Kimi K2.5's experts in
+INT4 (compressed-tensors "pack-quantized", a bf16 scale per 32 inputs). The config's
+``quantization_config.quant_method`` picks one ``CheckpointQuantization``; each quantized tensor
+becomes the plain weight the model's loader expects, under the plain weight's name. (Keeping
+weights quantized in memory, with kernels that read them so, is the engine's quantized-weights
+work; here they become ordinary weights.)
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable
+
+import torch
+
+Fetch = Callable[[str], torch.Tensor]  # reads any tensor of the checkpoint by name
+
+
+class CheckpointQuantization(ABC):
+    """Invariants: ``companion(name)`` is true exactly for the tensors that only serve another
+    (scales, shapes) and are never model weights themselves; ``dequantize`` returns
+    (plain weight name, floating tensor) for a quantized tensor and None for any other."""
+
+    @abstractmethod
+    def companion(self, name: str) -> bool: ...
+
+    @abstractmethod
+    def dequantize(self, name: str, tensor: torch.Tensor, fetch: Fetch) -> tuple[str, torch.Tensor] | None: ...
+
+
+class Fp8Blocks(CheckpointQuantization):
+    """float8 weights times ``weight_scale_inv``: one float32 scale per ``weight_block_size``
+    block (DeepSeek-V3, Kimi K2, Qwen3 FP8), or one per tensor without a block size."""
+
+    def __init__(self, config: dict):
+        block = config.get("weight_block_size")
+        self.block = tuple(int(b) for b in block) if block else None
+
+    def companion(self, name: str) -> bool:
+        return name.endswith((".weight_scale_inv", ".input_scale"))
+
+    def dequantize(self, name, tensor, fetch):
+        if tensor.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return None
+        scale = fetch(name + "_scale_inv").float()
+        weight = tensor.float()
+        if scale.numel() > 1:
+            if weight.dim() != 2 or self.block is None:
+                raise ValueError(f"{name}: FP8 block scales {tuple(scale.shape)} for a weight of shape "
+                                 f"{tuple(weight.shape)} without a 2-D weight_block_size")
+            rows, cols = weight.shape
+            expected = (-(-rows // self.block[0]), -(-cols // self.block[1]))
+            if tuple(scale.shape) != expected:
+                raise ValueError(f"{name}: FP8 scales of shape {tuple(scale.shape)}, expected {expected} for "
+                                 f"{tuple(weight.shape)} in blocks of {self.block}")
+            scale = scale.repeat_interleave(self.block[0], 0)[:rows].repeat_interleave(self.block[1], 1)[:, :cols]
+        return name, weight * scale
+
+
+# the sixteen values of an FP4 (e2m1) code: sign bit, two exponent bits, one mantissa bit
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+class Mxfp4(CheckpointQuantization):
+    """gpt-oss's experts: ``X_blocks`` [experts, rows, groups, 16] bytes, two FP4 codes each
+    (low nibble first), and ``X_scales`` [experts, rows, groups], a power-of-two exponent per 32
+    values (e8m0, bias 127). The plain tensor is the checkpoint's [experts, inputs, outputs]."""
+
+    def __init__(self, config: dict):
+        pass
+
+    def companion(self, name: str) -> bool:
+        return name.endswith("_scales")
+
+    def dequantize(self, name, tensor, fetch):
+        if not name.endswith("_blocks"):
+            return None
+        base = name.removesuffix("_blocks")
+        exponents = fetch(base + "_scales").to(torch.int32) - 127
+        if tensor.dtype != torch.uint8 or tensor.shape[:-1] != exponents.shape:
+            raise ValueError(f"{name}: MXFP4 blocks {tuple(tensor.shape)} {tensor.dtype} do not match their scales "
+                             f"{tuple(exponents.shape)}")
+        lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+        out = torch.empty(*exponents.shape[:-1], exponents.shape[-1] * 32)
+        for i in range(tensor.shape[0]):  # one expert at a time: the codes take 8 bytes per value
+            codes = torch.stack((tensor[i] & 0x0F, tensor[i] >> 4), dim=-1).long()  # [rows, groups, 16, 2]
+            out[i] = torch.ldexp(lut[codes].flatten(-3), exponents[i].repeat_interleave(32, dim=-1))
+        return base, out.transpose(-1, -2)
+
+
+class PackedInt4(CheckpointQuantization):
+    """compressed-tensors "pack-quantized" integer weights (Kimi K2.5's experts): ``weight_packed``
+    int32 holding 32 / bits values each from the lowest bits up, offset by 2^(bits-1);
+    ``weight_scale`` one scale per ``group_size`` inputs; ``weight_shape`` the plain shape.
+    Symmetric only (no zero point). The unpacking is written here rather than imported from
+    the ``compressed-tensors`` package, which would add transformers to the runtime
+    dependencies; the tests hold it to that package's packing."""
+
+    def __init__(self, config: dict):
+        if config.get("format") != "pack-quantized":
+            raise ValueError(f"compressed-tensors format {config.get('format')!r} is not supported; supported: "
+                             "pack-quantized")
+        schemes = [group["weights"] for group in (config.get("config_groups") or {}).values() if group.get("weights")]
+        for scheme in schemes:
+            if scheme.get("type") != "int" or not scheme.get("symmetric", True) or scheme.get("strategy") != "group":
+                raise ValueError(f"compressed-tensors weights {scheme} are not supported; supported: symmetric "
+                                 "integer weights with one scale per group")
+        self.bits = {int(s["num_bits"]) for s in schemes}
+        if len(self.bits) != 1 or not self.bits <= {4, 8}:
+            raise ValueError(f"compressed-tensors weights of {sorted(self.bits)} bits are not supported; supported: "
+                             "one width, 4 or 8 bits")
+        self.bits = self.bits.pop()
+
+    def companion(self, name: str) -> bool:
+        return name.endswith((".weight_scale", ".weight_shape"))
+
+    def dequantize(self, name, tensor, fetch):
+        if not name.endswith(".weight_packed"):
+            return None
+        base = name.removesuffix("_packed")
+        rows, cols = (int(v) for v in fetch(base + "_shape").tolist())
+        scale = fetch(base + "_scale").float()
+        per_word = 32 // self.bits
+        shifts = torch.arange(per_word, dtype=torch.int32) * self.bits
+        codes = (tensor.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << self.bits) - 1)
+        values = codes.flatten(-2)[..., :cols] - (1 << (self.bits - 1))
+        if values.shape != (rows, cols) or cols % scale.shape[-1] or scale.shape[0] != rows:
+            raise ValueError(f"{name}: packed weight {tuple(values.shape)} with scales {tuple(scale.shape)} does not "
+                             f"make a ({rows}, {cols}) weight")
+        return base, values.float() * scale.repeat_interleave(cols // scale.shape[-1], dim=1)
+
+
+FORMATS: dict[str, type[CheckpointQuantization]] = {
+    "fp8": Fp8Blocks, "mxfp4": Mxfp4, "compressed-tensors": PackedInt4}
+
+
+def checkpoint_quantization(config: dict) -> CheckpointQuantization | None:
+    """The config's quantization (of the language model where the config wraps one), or None."""
+    q = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if method not in FORMATS:
+        raise ValueError(f"checkpoint quantization {method!r} is not supported; supported: {', '.join(FORMATS)} "
+                         "(or an unquantized checkpoint, or a GGUF file)")
+    return FORMATS[method](q)
