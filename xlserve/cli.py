@@ -18,13 +18,15 @@ from xlserve.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     ServerConfig,
     SupervisorConfig,
     resolve_keys,
 )
 
-ENGINE_GROUPS = ((ModelConfig, "model"), (CacheConfig, "KV cache"), (SchedulerConfig, "scheduler"))
+ENGINE_GROUPS = ((ModelConfig, "model"), (CacheConfig, "KV cache"), (SchedulerConfig, "scheduler"),
+                 (ParallelConfig, "model parallelism"))
 
 
 def _server_config(args) -> ServerConfig:

@@ -110,16 +110,34 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = _opt(1, "Processes (ranks) that each hold a slice of every layer: attention heads, "
+                                     "MLP columns and the vocabulary split, one all-reduce per attention and per "
+                                     "MLP block over torch.distributed (gloo on CPU, NCCL on CUDA). The worker "
+                                     "starts the other ranks itself; rank 0 schedules and samples.")
+    distributed_timeout: float = _opt(300.0, "Seconds one collective between ranks may take before the worker "
+                                      "fails (a rank that died or hangs), instead of waiting forever.")
+
+    def __post_init__(self):
+        if not 1 <= self.tensor_parallel_size <= 64:
+            raise ValueError(f"tensor_parallel_size must be in 1..64, got {self.tensor_parallel_size}")
+        if self.distributed_timeout <= 0:
+            raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
         """Build from flat keyword arguments (``LLM(model=..., block_size=...)``)."""
         parts = {}
-        for name, sub in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig)):
+        for name, sub in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
+                          ("parallel", ParallelConfig)):
             names = set(sub.__dataclass_fields__)
             parts[name] = sub(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
         if kwargs:

@@ -39,7 +39,7 @@ def worker_process(role: str, engine: EngineConfig, server: ServerConfig, key: s
     port = free_port()
     args = [sys.executable, "-m", "xlserve.cli", "worker", "--role", role, "--host", "127.0.0.1",
             "--port", str(port)]
-    for part in (engine.model, engine.cache, engine.scheduler, worker_server_config(server)):
+    for part in (engine.model, engine.cache, engine.scheduler, engine.parallel, worker_server_config(server)):
         args += config_to_args(part)
     env = {**os.environ, "XLSERVE_INTERNAL_API_KEY": key}  # never on a command line
     if cores:

@@ -26,15 +26,33 @@ from xlserve.engine.scheduler import Scheduler, SchedulerOutput
 from xlserve.hashing import BlockHash, block_hashes
 from xlserve.loader.model_loader import LoadedModel, load_model
 from xlserve.loader.tokenizer import prompt_token_ids
+from xlserve.parallel.ranks import TensorParallelRanks
 from xlserve.planner.memory_plan import pool_bytes_per_token
 from xlserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
+def pool_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
+    """The KV pool's block count, the same on every tensor-parallel rank (each holds its share
+    of the KV heads, so a pool of --kv-cache-memory GiB per rank holds that many times more tokens)."""
+    per_token = pool_bytes_per_token(loaded.arch, loaded.dtype.itemsize) // config.parallel.tensor_parallel_size
+    return config.cache.total_blocks(per_token)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
+        self.ranks = None  # tensor parallel: this process is rank 0 of these
+        if config.parallel.tensor_parallel_size > 1:
+            self.ranks = TensorParallelRanks(config)
+        try:
+            self._start(config, loaded)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
         self.loaded = loaded or load_model(config.model)
         self.tokenizer = self.loaded.tokenizer
         if config.model.chat_template and self.tokenizer is not None:
@@ -43,19 +61,20 @@ class LLMEngine:
         self.max_model_len = min(config.model.max_model_len or arch.max_position_embeddings,
                                  arch.max_position_embeddings)
         self.block_size = config.cache.block_size
-        self.num_blocks = config.cache.total_blocks(pool_bytes_per_token(arch, self.loaded.dtype.itemsize))
+        self.num_blocks = pool_blocks(config, self.loaded)
         self.kv_plan = plan_groups(arch)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.max_model_len,
                                    self.kv_plan.groups)
         self.guided = GuidedDecoding(self.tokenizer, arch.vocab_size) if self.tokenizer else None
         self.runner = ModelRunner(self.loaded, self.num_blocks, self.block_size, self.guided,
-                                  config.model.cuda_graphs, self.max_model_len)
+                                  config.model.cuda_graphs, self.max_model_len,
+                                  self.ranks.send_step if self.ranks else None)
         # Anything that changes the KV of a token sequence goes into the block hash.
         self.extra_key = hashlib.blake2b(
             f"{self.loaded.source.path}|{self.loaded.dtype}".encode(), digest_size=8).digest()
         self.model_name = config.model.served_model_name or self.loaded.source.name
         self.kv = self.scheduler.kv  # the pool's one owner; the engine goes through it
-        spec = arch.kv_cache_spec
+        spec = self.runner.kv_spec
         self.kv.attach(self.runner.kv_caches, KVLayout(
             self.kv_plan.width, self.block_size, spec.heads, spec.dim, DTYPE_NAMES[self.loaded.dtype],
             self.extra_key.hex(), spec.parts, self.kv_plan.windows()))
@@ -64,6 +83,12 @@ class LLMEngine:
         self.num_steps = 0
         self.steps_by_path: collections.Counter = collections.Counter()  # DecodePath -> steps taken
         self.num_failed_requests = 0
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (a no-op with one); the engine is unusable after."""
+        if self.ranks is not None:
+            ranks, self.ranks = self.ranks, None
+            ranks.close()
 
     # -- requests -----------------------------------------------------------------
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:

@@ -7,6 +7,7 @@ metadata, runs the forward, samples, and returns a ``RunnerOutput`` (plain data)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -21,6 +22,7 @@ from xlserve.kernels import cpu_ops
 from xlserve.layers.attention import AttentionMetadata, PrefillChunk, additive_mask, block_table, decode_context
 from xlserve.loader.model_loader import LoadedModel
 from xlserve.models.arch import FEATURES
+from xlserve.parallel import tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -38,15 +40,19 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
-                 guided: GuidedDecoding | None = None, cuda_graphs: bool = False, max_context: int = 0):
+                 guided: GuidedDecoding | None = None, cuda_graphs: bool = False, max_context: int = 0,
+                 announce: Callable[[SchedulerOutput, DecodePath, bool], None] | None = None):
         self.model = loaded.model
         self.device = loaded.device
         self.block_size = block_size
+        # tensor parallel, rank 0: tells the other ranks each step before running its own slice
+        self.announce = announce
+        self.tp = tensor_parallel.current()
         arch = loaded.arch
         num_slots = num_blocks * block_size
         # one more block than the pool hands out: the scratch block that padding rows of a
-        # CUDA graph write to
-        spec = self.kv_spec = arch.kv_cache_spec
+        # CUDA graph write to; this rank's KV heads only
+        spec = self.kv_spec = self.tp.kv_cache_spec(arch.kv_cache_spec)
         self.kv_plan = plan_groups(arch)
         shape = (num_slots + block_size, spec.heads, spec.dim)
         # One tensor per part and layer slot of a block (every layer, unless windowed layer
@@ -66,7 +72,8 @@ class ModelRunner:
         self.guided = guided
         self.matchers: dict[str, object] = {}  # request id -> grammar matcher
         self.graphs = None
-        if cuda_graphs and self.device.type == "cuda" and not self.kv_plan.windowed:  # graphs read group 0 only
+        single = self.tp.size == 1  # graphs do not capture the ranks' collectives
+        if cuda_graphs and self.device.type == "cuda" and not self.kv_plan.windowed and single:  # group 0 only
             self.graphs = DecodeGraphs(self.model, self.device, block_size, num_blocks,
                                        max_context or arch.max_position_embeddings)
 
@@ -77,8 +84,9 @@ class ModelRunner:
 
     def _kernels_apply(self) -> bool:
         """Whether this step can use the CPU kernels; checked per step, as they can be
-        switched off (``cpu_ops.set_enabled``)."""
-        return (self.fused_shapes and self.device.type == "cpu" and cpu_ops.kernels() is not None
+        switched off (``cpu_ops.set_enabled``). Not under tensor parallelism: the fused layer
+        kernels hold whole layers, not slices."""
+        return (self.fused_shapes and self.tp.size == 1 and self.device.type == "cpu" and cpu_ops.kernels() is not None
                 and self.kv_caches[0][0].dtype in (torch.bfloat16, torch.float32))
 
     def _contiguous_start(self, block_ids: list[int], tokens: int) -> int | None:
@@ -194,20 +202,35 @@ class ModelRunner:
             logits = self.graphs.logits([s.token_ids[0] for s in scheduled], [s.start_position for s in scheduled],
                                         [s.block_ids for s in scheduled])
             return self._sample(logits[:len(scheduled)], scheduled, path)
+        if self.announce is not None:
+            self.announce(output, path, cpu_kernels)
+        logits, sampling = self._forward(output.scheduled, path, cpu_kernels)
+        if logits is None:
+            return RunnerOutput(decode_path=path)
+        return self._sample(logits, sampling, path)
+
+    @torch.inference_mode()
+    def follow(self, scheduled: list[ScheduledRequest], path: DecodePath, cpu_kernels: bool) -> None:
+        """A tensor-parallel rank other than 0: rank 0's step on this rank's slice (logits
+        included, they are gathered across ranks); rank 0 samples."""
+        self._forward(scheduled, path, cpu_kernels)
+
+    def _forward(self, scheduled: list[ScheduledRequest], path: DecodePath,
+                 cpu_kernels: bool) -> tuple[torch.Tensor | None, list[ScheduledRequest]]:
+        """The step's forward; the logits of the rows that sample (None: none does)."""
         ids, positions, last_rows = [], [], []
-        for s in output.scheduled:
+        for s in scheduled:
             ids.extend(s.token_ids)
             positions.extend(range(s.start_position, s.start_position + len(s.token_ids)))
             last_rows.append(len(ids) - 1)
-        meta = self._build_metadata(output.scheduled, path, cpu_kernels)
+        meta = self._build_metadata(scheduled, path, cpu_kernels)
         hidden = self.model(torch.tensor(ids, device=self.device),
                             torch.tensor(positions, device=self.device), meta)
-        sampling = [(s, r) for s, r in zip(output.scheduled, last_rows) if s.sample]
+        sampling = [(s, r) for s, r in zip(scheduled, last_rows) if s.sample]
         if not sampling:
-            return RunnerOutput(decode_path=path)
+            return None, []
         rows = torch.tensor([r for _, r in sampling], device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
-        return self._sample(logits, [s for s, _ in sampling], path)
+        return self.model.compute_logits(hidden[rows]), [s for s, _ in sampling]
 
     def _graph_fits(self, scheduled: list[ScheduledRequest]) -> bool:
         """A decode-only step that a CUDA graph can replay."""

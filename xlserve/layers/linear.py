@@ -1,16 +1,20 @@
-"""Linear layers whose weights load from several checkpoint tensors (fused QKV, gate/up).
+"""Linear layers whose weights load from several checkpoint tensors (fused QKV, gate/up),
+and that hold their tensor-parallel slice (``Split``).
 
-The module carries ``load_shard(param, tensor, shard)`` (not the parameter: moving a
-model between devices replaces its parameters) so model files only declare which
-checkpoint names stack into which module.
+The module carries ``load_shard(param, tensor, shard)`` / ``load_whole(param, tensor, what)``
+(not the parameter: moving a model between devices replaces its parameters) so model files
+only declare which checkpoint names stack into which module, and which way it splits.
 """
 
 from __future__ import annotations
+
+import enum
 
 import torch
 from torch import nn
 
 from xlserve.kernels import cpu_ops
+from xlserve.parallel import tensor_parallel
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -54,18 +58,48 @@ def prepack_linear_weights(model: nn.Module, rows_hint: int = 32) -> int:
     count = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if isinstance(module, (nn.Linear, MergedLinear)) and weight is not None and weight.device.type == "cpu":
+        linear_like = isinstance(module, (nn.Linear, MergedLinear)) or getattr(module, "prepackable", False)
+        if linear_like and weight is not None and weight.device.type == "cpu":
             setattr(weight, PACKED, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint))
             count += 1
     return count
 
 
+class Split(enum.Enum):
+    """How a linear layer divides over tensor-parallel ranks: not at all; by output features
+    (each rank computes its columns of the output: q/k/v heads, gate/up columns); or by input
+    features (each rank multiplies its slice of the input, and the partial outputs are summed
+    across ranks: the one all-reduce of an attention or MLP block)."""
+    NONE = "none"
+    COLUMN = "column"
+    ROW = "row"
+
+
 class Linear(nn.Linear):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, split: Split = Split.NONE):
+        self.split, self.tp = split, tensor_parallel.current()
+        if split is Split.COLUMN:
+            out_features = self.tp.part(out_features, "output features")
+        elif split is Split.ROW:
+            in_features = self.tp.part(in_features, "input features")
+        super().__init__(in_features, out_features, bias)
+
     def reset_parameters(self) -> None:
         pass  # weights come from the checkpoint; see Embedding.reset_parameters
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.split is Split.ROW and self.tp.size > 1:  # the bias once, after the sum
+            out = self.tp.all_reduce(linear(x, self.weight, None))
+            return out if self.bias is None else out + self.bias
         return linear(x, self.weight, self.bias)
+
+    def load_whole(self, param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+        """A checkpoint tensor of the whole layer into this rank's slice of it."""
+        if self.tp.size > 1 and self.split is Split.COLUMN:
+            loaded = loaded[self.tp.span(loaded.shape[0], what)]
+        elif self.tp.size > 1 and self.split is Split.ROW and param.dim() == 2:
+            loaded = loaded[:, self.tp.span(loaded.shape[1], what)]
+        copy_checked(param, loaded, what)
 
 
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
@@ -76,13 +110,16 @@ def copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
 
 
 class MergedLinear(nn.Module):
-    """One matmul for several projections of the same input; ``shard_sizes`` in output order."""
+    """One matmul for several projections of the same input; ``shard_sizes`` in output order
+    (whole-layer sizes). Column-parallel: each rank holds its slice of every projection."""
 
     def __init__(self, in_features: int, shard_sizes: dict, bias: bool):
         super().__init__()
+        self.tp = tensor_parallel.current()
         self.shard_offsets = {}
         offset = 0
         for shard, size in shard_sizes.items():
+            size = self.tp.part(size, f"{shard} output features")
             self.shard_offsets[shard] = (offset, size)
             offset += size
         self.weight = nn.Parameter(torch.empty(offset, in_features), requires_grad=False)
@@ -92,6 +129,8 @@ class MergedLinear(nn.Module):
 
     def load_shard(self, param: torch.Tensor, loaded: torch.Tensor, shard) -> None:
         start, size = self.shard_offsets[shard]
+        if self.tp.size > 1:
+            loaded = loaded[self.tp.span(loaded.shape[0], f"shard {shard}")]
         copy_checked(param.data.narrow(0, start, size), loaded, f"shard {shard}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

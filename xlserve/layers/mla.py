@@ -26,6 +26,7 @@ from xlserve.layers.linear import Linear
 from xlserve.layers.norm import RMSNorm
 from xlserve.layers.rotary import PositionEncoding, yarn_mscale
 from xlserve.models.arch import ModelArch
+from xlserve.parallel import tensor_parallel
 
 
 def softmax_scale(arch: ModelArch) -> float:
@@ -41,6 +42,9 @@ def softmax_scale(arch: ModelArch) -> float:
 class LatentAttention(nn.Module):
     def __init__(self, arch: ModelArch, positional: PositionEncoding):
         super().__init__()
+        if tensor_parallel.current().size > 1:
+            raise ValueError("tensor parallelism does not split multi-head latent attention yet; serve this model with "
+                             "--tensor-parallel-size 1")
         self.num_heads, self.rank, self.rope_dim = arch.num_heads, arch.kv_lora_rank, arch.head_dim
         self.nope_dim, self.v_dim = arch.qk_nope_head_dim, arch.v_head_dim
         q_size = self.num_heads * (self.nope_dim + self.rope_dim)

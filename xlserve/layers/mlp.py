@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from xlserve.layers.linear import Linear, MergedLinear
+from xlserve.layers.linear import Linear, MergedLinear, Split
 
 ACTIVATION = {"silu": nn.functional.silu,
               "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh")}
@@ -19,7 +19,7 @@ class MLP(nn.Module):
         self.act = ACTIVATION[activation]
         size = intermediate_size
         self.gate_up_proj = MergedLinear(hidden_size, {"gate": size, "up": size}, bias=False)
-        self.down_proj = Linear(size, hidden_size, bias=False)
+        self.down_proj = Linear(size, hidden_size, bias=False, split=Split.ROW)  # tensor parallel: one all-reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

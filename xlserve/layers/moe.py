@@ -14,6 +14,7 @@ from torch import nn
 from xlserve.layers.linear import Linear, copy_checked
 from xlserve.layers.mlp import MLP
 from xlserve.models.arch import ModelArch, Router
+from xlserve.parallel import tensor_parallel
 
 # checkpoint expert projection -> (our stacked weight, part): Mixtral's w1/w3/w2, Qwen's names
 EXPERT_PARTS = {"w1": ("w_gate_up", "gate"), "w3": ("w_gate_up", "up"), "w2": ("w_down", "down"),
@@ -84,6 +85,9 @@ ROUTES = {Router.SOFTMAX_TOPK: ExpertRouter._softmax_topk, Router.SIGMOID_GROUPE
 class SparseMoE(nn.Module):
     def __init__(self, arch: ModelArch):
         super().__init__()
+        if tensor_parallel.current().size > 1:
+            raise ValueError("tensor parallelism does not split mixture-of-experts layers yet; serve this model with "
+                             "--tensor-parallel-size 1")
         self.num_experts, self.top_k = arch.num_experts, arch.num_experts_per_tok
         size, hidden = arch.moe_intermediate_size, arch.hidden_size
         self.gate = ExpertRouter(arch)

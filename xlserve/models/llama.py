@@ -14,14 +14,15 @@ from torch import nn
 
 from xlserve.kernels import cpu_ops
 from xlserve.layers.attention import AttentionMetadata, DecodePath, Window, get_attention_backend
-from xlserve.layers.embedding import Embedding
-from xlserve.layers.linear import Linear, MergedLinear, copy_checked, linear
+from xlserve.layers.embedding import Embedding, LMHead
+from xlserve.layers.linear import Linear, MergedLinear, Split, copy_checked, linear
 from xlserve.layers.mla import LatentAttention
 from xlserve.layers.mlp import MLP
 from xlserve.layers.moe import EXPERT_PARTS, SparseMoE
 from xlserve.layers.norm import normalized, rms_norm
 from xlserve.layers.rotary import PositionEncoding, QueryTemperature, RotaryEmbedding
 from xlserve.models.arch import ModelArch
+from xlserve.parallel import tensor_parallel
 
 _EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(\w+)\.weight")
 # every expert's projection in one tensor: Llama 4's input-major gate_up / down, GGUF's
@@ -46,10 +47,16 @@ def layer_window(arch: ModelArch, index: int) -> Window | None:
 class Attention(nn.Module):
     def __init__(self, arch: ModelArch, positional: PositionEncoding, qkv_bias: bool, qk_norm: bool, index: int = 0):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.tp = tensor_parallel.current()  # this rank's heads: the model's divided over the ranks
+        self.num_heads = self.tp.part(arch.num_heads, "attention heads")
+        self.num_kv_heads = self.tp.part(arch.num_kv_heads, "key/value heads")
+        self.head_dim = arch.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(arch.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, qkv_bias)
-        self.o_proj = Linear(q_size, arch.hidden_size, bias=arch.attention_bias)
+        self.qkv_proj = MergedLinear(arch.hidden_size, {"q": arch.num_heads * self.head_dim,
+                                                        "k": arch.num_kv_heads * self.head_dim,
+                                                        "v": arch.num_kv_heads * self.head_dim}, qkv_bias)
+        self.o_proj = Linear(arch.num_heads * self.head_dim, arch.hidden_size, bias=arch.attention_bias,
+                             split=Split.ROW)
         self.q_norm = rms_norm(self.head_dim, arch.rms_norm_eps, arch.gemma_norms) if qk_norm else None
         self.k_norm = rms_norm(self.head_dim, arch.rms_norm_eps, arch.gemma_norms) if qk_norm else None
         self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False) if arch.attention_sinks else None
@@ -87,6 +94,10 @@ class Attention(nn.Module):
         meta = meta.groups.get(self.kv_group, meta)
         out = self.backend.forward(q, k, v, self.kv_cache, meta, self.window, self.scale, self.sinks).reshape(n, -1)
         return self.o_proj(out) if project_out else out
+
+    def load_whole(self, param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+        """The sinks: one per head, this rank's heads."""
+        copy_checked(param, loaded[self.tp.span(loaded.shape[0], what)], what)
 
 
 class DecoderLayer(nn.Module):
@@ -220,7 +231,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.model = DecoderModel(arch, self.qkv_bias or arch.attention_bias, self.qk_norm, self.layer_class)
-        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = LMHead(arch.hidden_size, arch.vocab_size)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -256,7 +267,8 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.arch.architecture}")
             module = self.get_submodule(target.rsplit(".", 1)[0])
             if shard is None:
-                copy_checked(param, tensor, name)
+                load_whole = getattr(module, "load_whole", None)  # a tensor-parallel slice of it
+                load_whole(param, tensor, name) if load_whole else copy_checked(param, tensor, name)
             elif isinstance(module, SparseMoE):
                 loaded |= {(target, filled) for filled in module.load(shard, tensor)}
                 continue

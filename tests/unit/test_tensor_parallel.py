@@ -1,0 +1,58 @@
+"""Tensor parallelism over real processes (gloo): two ranks, each with half of every layer's
+heads and MLP columns and half the vocabulary, give rank 0 the tokens one process gives —
+batched prompts of mixed lengths, prefilled in chunks, asked again for prefix hits — and
+logits within float32 rounding of a single process; what cannot be split is refused clearly
+and leaves no process behind."""
+
+import psutil
+import pytest
+import torch
+
+from xlserve import LLM, SamplingParams
+from xlserve.parallel import tensor_parallel
+
+DENSE = ["llama", "llama3", "qwen2", "qwen3", "mistral", "gemma3"]
+
+
+def _run(path: str, **options) -> list:
+    gen = torch.Generator().manual_seed(4)
+    shared = torch.randint(3, 320, (40,), generator=gen).tolist()
+    prompts = [shared + torch.randint(3, 320, (n,), generator=gen).tolist() for n in (3, 17, 30)] + [shared[:9]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+    with LLM(path, dtype="float32", kv_cache_tokens=2048, max_num_batched_tokens=32, **options) as llm:
+        first = llm.generate(prompts, params)
+        again = llm.generate(prompts[:2], params)  # prefix-cache hits
+        return first + again
+
+
+@pytest.mark.parametrize("arch", DENSE)
+def test_two_ranks_equal_one(tiny_model_dirs, arch):
+    path = tiny_model_dirs[arch]
+    single, split = _run(path), _run(path, tensor_parallel_size=2)
+    for a, b in zip(single, split):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert abs(x["logprob"] - y["logprob"]) <= 1e-4
+    assert tensor_parallel.current().size == 1  # closing left the group
+
+
+def test_each_rank_holds_its_share(tiny_model_dirs):
+    with LLM(tiny_model_dirs["llama"], dtype="float32", kv_cache_tokens=256, tensor_parallel_size=2) as llm:
+        runner = llm.engine.runner
+        attn = runner.model.model.layers[0].self_attn
+        assert (attn.num_heads, attn.num_kv_heads) == (2, 1)  # of 4 and 2
+        assert runner.kv_caches[0][0].shape[1] == 1  # this rank's KV heads only
+        assert runner.model.lm_head.weight.shape[0] == 160  # of 320 tokens
+        children = psutil.Process().children()
+        assert len(children) == 1 and children[0].is_running()
+    children[0].wait(timeout=30)
+
+
+@pytest.mark.parametrize("arch,size,match", [("llama", 3, "attention heads \\(4\\) does not divide over 3"),
+                                             ("deepseek_v3", 2, "latent attention"),
+                                             ("mixtral", 2, "mixture-of-experts")])
+def test_what_cannot_be_split_is_refused_and_no_rank_is_left(tiny_model_dirs, arch, size, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(tiny_model_dirs[arch], dtype="float32", kv_cache_tokens=256, tensor_parallel_size=size)
+    assert not [p for p in psutil.Process().children() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert tensor_parallel.current().size == 1

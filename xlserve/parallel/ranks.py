@@ -1,0 +1,118 @@
+"""The processes of one tensor-parallel worker. The worker itself is rank 0: it starts the
+other ranks (``python -m xlserve.parallel.follower``), joins them in one torch.distributed
+group, and each engine step broadcasts the step's plan (``step_plan.py``) before running
+its own slice of the forward; the others run theirs on the same plan.
+
+Two groups: the compute group, whose collectives (all-reduce, all-gather) time out after
+``--distributed-timeout`` so a dead or hung rank fails the worker instead of hanging it;
+and the plan group, on which idle ranks wait for the next step for as long as the worker
+lives (they die with it: the kernel signals them when it exits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import socket
+import subprocess
+import sys
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from xlserve.config import EngineConfig
+from xlserve.layers.attention import DecodePath
+from xlserve.parallel import tensor_parallel
+from xlserve.parallel.step_plan import StepPlan, send_plan
+from xlserve.supervisor import die_with_parent
+
+log = logging.getLogger(__name__)
+IDLE_WAIT = datetime.timedelta(days=3650)  # the plan group: idle ranks wait while the worker lives
+
+
+class RankSpec(BaseModel):
+    """What a started rank reads on its standard input (never on its command line)."""
+    model_config = ConfigDict(extra="forbid")
+    engine: dict  # EngineConfig as flat keyword arguments
+    rank: int = Field(ge=1)
+    size: int = Field(ge=2)
+    init_method: str
+
+
+def flat_options(config: EngineConfig) -> dict:
+    """``EngineConfig.from_kwargs`` rebuilds ``config`` from these."""
+    return {name: value for sub in (config.model, config.cache, config.scheduler, config.parallel)
+            for name, value in dataclasses.asdict(sub).items()}
+
+
+def join(init_method: str, rank: int, size: int, timeout: float, device: str):
+    """This process into the group as ``rank``; sets ``tensor_parallel.current()``. Returns the plan group."""
+    import torch.distributed as dist
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    else:  # the ranks share this machine's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=timeout))
+    plan_group = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
+    tensor_parallel.set_current(tensor_parallel.TensorParallel(rank, size, dist.group.WORLD))
+    return plan_group
+
+
+def leave() -> None:
+    import torch.distributed as dist
+    tensor_parallel.set_current(tensor_parallel.TensorParallel())
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class TensorParallelRanks:
+    """Rank 0's side: starts ranks 1..size-1, joins them, broadcasts plans, stops them."""
+
+    def __init__(self, config: EngineConfig):
+        size = config.parallel.tensor_parallel_size
+        with socket.socket() as s:  # the rendezvous: this machine only
+            s.bind(("127.0.0.1", 0))
+            init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        self.procs = []
+        for rank in range(1, size):
+            spec = RankSpec(engine=flat_options(config), rank=rank, size=size, init_method=init_method)
+            proc = subprocess.Popen([sys.executable, "-m", "xlserve.parallel.follower"], stdin=subprocess.PIPE,
+                                    preexec_fn=die_with_parent)
+            proc.stdin.write(spec.model_dump_json().encode())
+            proc.stdin.close()
+            self.procs.append(proc)
+        log.info("started tensor-parallel ranks 1..%d (pids %s)", size - 1, [p.pid for p in self.procs])
+        try:
+            self.plan_group = join(init_method, 0, size, config.parallel.distributed_timeout, config.model.device)
+        except BaseException:
+            self._kill()
+            raise
+
+    def broadcast(self, plan: StepPlan) -> None:
+        send_plan(plan, self.plan_group)
+
+    def send_step(self, output, path: DecodePath, cpu_kernels: bool) -> None:
+        self.broadcast(StepPlan.of(output, path, cpu_kernels))
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop every rank (they leave their loop on the stop plan) and leave the group."""
+        try:
+            if all(p.poll() is None for p in self.procs):
+                self.broadcast(StepPlan(stop=True))
+            for p in self.procs:
+                p.wait(timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - a rank that cannot be told is killed below
+            log.warning("tensor-parallel ranks did not stop cleanly: %s", e)
+        finally:
+            self._kill()
+            leave()
+
+    def _kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -1,0 +1,67 @@
+"""What rank 0 tells the other tensor-parallel ranks each step: the scheduled token chunks
+with their positions and block tables, and the forward path it chose — plain typed data,
+sent as JSON over the plan group (never pickled), validated on receipt.
+
+The other ranks need no sampling parameters: they run the same forward (their slice of
+every layer, the same collectives in the same order) and leave sampling to rank 0.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from xlserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from xlserve.layers.attention import DecodePath
+from xlserve.sampling_params import SamplingParams
+
+MAX_PLAN_BYTES = 256 * 1024 * 1024  # a step of 64k tokens with 1M-token block tables is far below this
+
+
+class PlannedChunk(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    token_ids: list[int]
+    start_position: int = Field(ge=0)
+    block_ids: list[int]
+    window_block_ids: list[list[int]] = []
+    sample: bool
+
+
+class StepPlan(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    chunks: list[PlannedChunk] = []
+    path: DecodePath = DecodePath.EAGER
+    cpu_kernels: bool = False
+    stop: bool = False  # the worker is shutting down: the ranks leave their loop
+
+    @classmethod
+    def of(cls, output: SchedulerOutput, path: DecodePath, cpu_kernels: bool) -> "StepPlan":
+        return cls(chunks=[PlannedChunk(token_ids=s.token_ids, start_position=s.start_position, block_ids=s.block_ids,
+                                        window_block_ids=[list(t) for t in s.window_block_ids], sample=s.sample)
+                           for s in output.scheduled], path=path, cpu_kernels=cpu_kernels)
+
+    def scheduled(self) -> list[ScheduledRequest]:
+        """The chunks as the runner takes them (no sampling parameters: these ranks do not sample)."""
+        return [ScheduledRequest(request_id=str(i), token_ids=c.token_ids, start_position=c.start_position,
+                                 block_ids=c.block_ids, sample=c.sample, params=SamplingParams(), seed=None,
+                                 output_index=0, window_block_ids=tuple(c.window_block_ids))
+                for i, c in enumerate(self.chunks)]
+
+
+def send_plan(plan: StepPlan, group) -> None:
+    """From rank 0 to every rank of ``group``: the JSON's length, then its bytes."""
+    import torch.distributed as dist
+    data = plan.model_dump_json().encode()
+    dist.broadcast(torch.tensor([len(data)], dtype=torch.int64), 0, group=group)
+    dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, group=group)
+
+
+def receive_plan(group) -> StepPlan:
+    import torch.distributed as dist
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, 0, group=group)
+    if not 0 < int(size) <= MAX_PLAN_BYTES:
+        raise ValueError(f"a step plan of {int(size)} bytes (at most {MAX_PLAN_BYTES})")
+    data = torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(data, 0, group=group)
+    return StepPlan.model_validate_json(data.numpy().tobytes())
