@@ -56,3 +56,26 @@ def test_what_cannot_be_split_is_refused_and_no_rank_is_left(tiny_model_dirs, ar
         LLM(tiny_model_dirs[arch], dtype="float32", kv_cache_tokens=256, tensor_parallel_size=size)
     assert not [p for p in psutil.Process().children() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert tensor_parallel.current().size == 1
+
+
+def test_kv_hand_off_between_one_and_two_ranks(tiny_model_dirs):
+    """A payload carries every KV head whatever the ranks hold: two ranks' export (rank 0
+    gathers the other's heads) equals one process's, and either imports into the other
+    layout (rank 0 scatters the other's heads) with a prefix hit and the same tokens."""
+    import numpy as np
+    path, prompt = tiny_model_dirs["llama"], list(range(20, 90))  # 70 tokens: 4 full blocks
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    payloads, answers = {}, {}
+    for size in (1, 2):
+        with LLM(path, dtype="float32", kv_cache_tokens=1024, tensor_parallel_size=size) as llm:
+            answers[size] = llm.generate(prompt, greedy)[0].outputs[0].token_ids
+            payloads[size] = llm.engine.kv.export(llm.engine.prompt_block_hashes(prompt))
+    one, two, reference = payloads[1], payloads[2], answers[1]
+    assert answers[2] == reference
+    assert one.layout == two.layout and len(two.block_hashes) == 4
+    np.testing.assert_allclose(np.frombuffer(two.data, np.float32), np.frombuffer(one.data, np.float32), atol=1e-4)
+    for size, payload in ((1, two), (2, one)):
+        with LLM(path, dtype="float32", kv_cache_tokens=1024, tensor_parallel_size=size) as llm:
+            assert llm.engine.kv.import_blocks(payload) == 4
+            out = llm.generate(prompt, greedy)[0]
+            assert out.cached_tokens == 64 and out.outputs[0].token_ids == reference

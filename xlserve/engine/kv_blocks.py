@@ -10,7 +10,9 @@ bounded time so they cannot be evicted before a peer pulls them, and a pin is a
 capability: only a caller holding its random secret can read its blocks, and only
 those (block hashes come from token ids, so serving bare hashes would let anyone who
 guesses a prompt test for it and read its KV). Data is raw tensor bytes with a
-plain-JSON description; nothing is pickled.
+plain-JSON description; nothing is pickled. A payload carries every KV head: under tensor
+parallelism rank 0 gathers the other ranks' heads (``KVShards``), so a prefill worker at
+one degree hands KV to a decode worker at any other.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import hmac
 import secrets
 import time
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,6 +55,36 @@ def cached_prefix(pool: BlockPool, groups: tuple[KVGroup, ...], hashes: list[Blo
         if all(None not in w for w in windows):
             return [full[:n], *windows]
         n -= 1
+
+
+def read_blocks(kv_caches: list[tuple[torch.Tensor, ...]], block_ids: list[int], block_size: int) -> torch.Tensor:
+    """These blocks of a pool, [blocks, layer slots, parts, block_size, heads, dim]."""
+    ids = torch.tensor(block_ids, device=kv_caches[0][0].device)
+    return torch.stack([torch.stack([part.view(-1, block_size, *part.shape[1:])[ids] for part in slot], dim=1)
+                        for slot in kv_caches], dim=1)
+
+
+def write_blocks(kv_caches: list[tuple[torch.Tensor, ...]], block_ids: list[int], data: torch.Tensor,
+                 block_size: int) -> None:
+    """``read_blocks``' inverse."""
+    ids = torch.tensor(block_ids, device=kv_caches[0][0].device)
+    for s, slot in enumerate(kv_caches):
+        for p, part in enumerate(slot):
+            part.view(-1, block_size, *part.shape[1:])[ids] = data[:, s, p].to(part.device, part.dtype)
+
+
+class KVShards(ABC):
+    """The KV heads the other tensor-parallel ranks hold, as rank 0 reaches them. Every call
+    is collective: each other rank reads or writes the same blocks of its own pool."""
+    rank: int  # this rank: its heads are the rank-th share of every head
+
+    @abstractmethod
+    def gather(self, block_ids: list[int], local: torch.Tensor) -> torch.Tensor:
+        """Every rank's heads of these blocks side by side (``read_blocks``' shape, all heads)."""
+
+    @abstractmethod
+    def scatter(self, block_ids: list[int], full: torch.Tensor) -> None:
+        """The other ranks write their heads of ``full`` (every head) into these blocks."""
 
 
 @dataclass(frozen=True)
@@ -127,11 +160,8 @@ class KVBlockStore:
     kv_caches: list[tuple[torch.Tensor, ...]]  # the pool's tensors: one tuple of parts per layer slot
     layout: KVLayout
     groups: tuple[KVGroup, ...] = (KVGroup(None, ()),)
+    shards: KVShards | None = None  # tensor parallel: the other ranks' heads
     pins: dict[str, Pin] = field(default_factory=dict)
-
-    def _views(self):
-        bs, hk, d = self.layout.block_size, self.layout.num_kv_heads, self.layout.head_dim
-        return [tuple(part.view(-1, bs, hk, d) for part in slot) for slot in self.kv_caches]
 
     def cached_prefix(self, hashes: list[BlockHash]) -> list[list[KVBlock]]:
         return cached_prefix(self.pool, self.groups, hashes, self.layout.block_size)
@@ -164,9 +194,11 @@ class KVBlockStore:
         blocks = [b for group in groups for b in group]
         if not blocks:
             return KVPayload(self.layout, [], b"")
-        ids = torch.tensor([b.block_id for b in blocks], device=self.kv_caches[0][0].device)
-        slots = [torch.stack([part[ids] for part in slot], dim=1) for slot in self._views()]  # [n, parts, ...]
-        data = torch.stack(slots, dim=1).contiguous().cpu()  # [n, slots, parts, bs, hk, d]
+        ids = [b.block_id for b in blocks]
+        data = read_blocks(self.kv_caches, ids, self.layout.block_size)  # [n, slots, parts, bs, hk, d]
+        if self.shards is not None:
+            data = self.shards.gather(ids, data)
+        data = data.contiguous().cpu()
         raw = data.view(torch.int16) if data.dtype in (torch.bfloat16, torch.float16) else data
         return KVPayload(self.layout, hashes, raw.numpy().tobytes())
 
@@ -182,12 +214,21 @@ class KVBlockStore:
             # a shorter prefix needs windows the payload does not carry: with windows, all or nothing
             n = 0 if self.layout.windows else n - 1
         placed = self._placements(len(hashes))
-        views = self._views()
         held: list[KVBlock] = []  # referenced until the end, so a later block never evicts an earlier one
+        written: list[tuple[int, int]] = []  # (block id, payload row) of the blocks filled here
         for row, (group, index) in enumerate(placed):
             if index >= n or index < self._first(group, n):
                 continue
-            held.append(self._import_block(payload, views, row, group, hashes[index]))
+            block = self.pool.lookup(hashes[index], group)
+            if block is not None:
+                self.pool.touch([block])
+            else:
+                block = self.pool.allocate(1)[0]
+                self.pool.cache_block(block, hashes[index], group)
+                written.append((block.block_id, row))
+            held.append(block)
+        if written:
+            self._write(payload, written)
         self.pool.free(list(reversed(held)))  # cached and evictable, like a finished request's blocks
         return n
 
@@ -205,21 +246,17 @@ class KVBlockStore:
         return sum(1 for g in range(len(self.groups)) for h in hashes[self._first(g, n):n]
                    if self.pool.lookup(h, g) is None)
 
-    def _import_block(self, payload: KVPayload, views, row: int, group: int, block_hash: BlockHash) -> KVBlock:
-        block = self.pool.lookup(block_hash, group)
-        if block is not None:
-            self.pool.touch([block])
-            return block
-        block = self.pool.allocate(1)[0]
-        size, layout = self.layout.block_bytes, self.layout
-        raw = np.frombuffer(payload.data, dtype=np.uint8, count=size, offset=row * size)
-        data = torch.from_numpy(raw.copy()).view(DTYPES[layout.dtype]).view(
-            layout.num_layers, layout.parts, layout.block_size, layout.num_kv_heads, layout.head_dim)
-        for slot, parts in enumerate(views):
-            for index, part in enumerate(parts):
-                part[block.block_id].copy_(data[slot, index])
-        self.pool.cache_block(block, block_hash, group)
-        return block
+    def _write(self, payload: KVPayload, written: list[tuple[int, int]]) -> None:
+        layout = self.layout
+        rows = torch.from_numpy(np.frombuffer(payload.data, dtype=np.uint8).copy()).view(DTYPES[layout.dtype]).view(
+            -1, layout.num_layers, layout.parts, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        ids = [block_id for block_id, _ in written]
+        data = rows[[row for _, row in written]]
+        local = self.kv_caches[0][0].shape[1]  # this rank's heads: its share, in rank order
+        rank = self.shards.rank if self.shards is not None else 0
+        write_blocks(self.kv_caches, ids, data[..., rank * local:(rank + 1) * local, :], layout.block_size)
+        if self.shards is not None:
+            self.shards.scatter(ids, data)
 
     def pin(self, hashes: list[BlockHash], seconds: float) -> PinGrant:
         """Hold the cached prefix of ``hashes`` for at most ``seconds``."""

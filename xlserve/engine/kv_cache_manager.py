@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from xlserve.engine.block_pool import BlockPool, KVBlock
-from xlserve.engine.kv_blocks import KVBlockStore, KVLayout, KVPayload, PinGrant, cached_prefix
+from xlserve.engine.kv_blocks import KVBlockStore, KVLayout, KVPayload, KVShards, PinGrant, cached_prefix
 from xlserve.engine.kv_groups import KVGroup
 from xlserve.engine.request import Request
 from xlserve.hashing import BlockHash
@@ -39,9 +39,11 @@ class KVCacheManager:
         self._by_hash: KVBlockStore | None = None
 
     # -- blocks by hash (disaggregation, tiers) ---------------------------------------
-    def attach(self, kv_caches: list[tuple[torch.Tensor, ...]], layout: KVLayout) -> None:
-        """The tensors behind the pool's blocks (the model runner allocates them)."""
-        self._by_hash = KVBlockStore(self.pool, kv_caches, layout, self.groups)
+    def attach(self, kv_caches: list[tuple[torch.Tensor, ...]], layout: KVLayout,
+               shards: KVShards | None = None) -> None:
+        """The tensors behind the pool's blocks (the model runner allocates them); ``shards``:
+        the other tensor-parallel ranks' heads of them."""
+        self._by_hash = KVBlockStore(self.pool, kv_caches, layout, self.groups, shards)
 
     @property
     def layout(self) -> KVLayout:

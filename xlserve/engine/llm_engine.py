@@ -74,10 +74,10 @@ class LLMEngine:
             f"{self.loaded.source.path}|{self.loaded.dtype}".encode(), digest_size=8).digest()
         self.model_name = config.model.served_model_name or self.loaded.source.name
         self.kv = self.scheduler.kv  # the pool's one owner; the engine goes through it
-        spec = self.runner.kv_spec
+        spec = arch.kv_cache_spec  # a hand-off carries every KV head, whatever the ranks hold
         self.kv.attach(self.runner.kv_caches, KVLayout(
             self.kv_plan.width, self.block_size, spec.heads, spec.dim, DTYPE_NAMES[self.loaded.dtype],
-            self.extra_key.hex(), spec.parts, self.kv_plan.windows()))
+            self.extra_key.hex(), spec.parts, self.kv_plan.windows()), self.ranks)
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else set()
         self._detokenizers: dict[str, Detokenizer | None] = {}
         self.num_steps = 0

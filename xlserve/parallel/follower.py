@@ -7,8 +7,10 @@ from __future__ import annotations
 import logging
 import sys
 
-from xlserve.parallel.ranks import RankSpec, join, leave
-from xlserve.parallel.step_plan import receive_plan
+import torch
+
+from xlserve.parallel.rank_plan import PlanKind, RankPlan, receive_plan
+from xlserve.parallel.ranks import RankSpec, as_bytes, join, leave
 
 log = logging.getLogger("xlserve.parallel.follower")
 
@@ -24,10 +26,30 @@ def main() -> None:
     try:
         runner = _runner(config)
         log.info("tensor-parallel rank %d of %d ready", spec.rank, spec.size)
-        while not (plan := receive_plan(plan_group)).stop:
-            runner.follow(plan.scheduled(), plan.path, plan.cpu_kernels)
+        while (plan := receive_plan(plan_group)).kind is not PlanKind.STOP:
+            if plan.kind is PlanKind.STEP:
+                runner.follow(plan.scheduled(), plan.path, plan.cpu_kernels)
+            else:
+                _move_kv(plan, runner, config.cache.block_size, spec.rank)
     finally:
         leave()
+
+
+def _move_kv(plan: RankPlan, runner, block_size: int, rank: int) -> None:
+    """This rank's heads of the plan's blocks: to rank 0 (an export) or from it (an import)."""
+    import torch.distributed as dist
+
+    from xlserve.engine.kv_blocks import read_blocks, write_blocks
+    from xlserve.parallel import tensor_parallel
+    group = tensor_parallel.current().group
+    local = read_blocks(runner.kv_caches, plan.block_ids, block_size)
+    if plan.kind is PlanKind.KV_EXPORT:
+        dist.gather(as_bytes(local), None, dst=0, group=group)
+        return
+    heads = local.shape[-2]
+    full = torch.empty(*local.shape[:-2], heads * tensor_parallel.current().size, local.shape[-1], dtype=local.dtype)
+    dist.broadcast(as_bytes(full), 0, group=group)  # a view: fills ``full``
+    write_blocks(runner.kv_caches, plan.block_ids, full[..., rank * heads:(rank + 1) * heads, :], block_size)
 
 
 def _runner(config):

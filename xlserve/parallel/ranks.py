@@ -1,7 +1,8 @@
 """The processes of one tensor-parallel worker. The worker itself is rank 0: it starts the
 other ranks (``python -m xlserve.parallel.follower``), joins them in one torch.distributed
-group, and each engine step broadcasts the step's plan (``step_plan.py``) before running
-its own slice of the forward; the others run theirs on the same plan.
+group, and each engine step broadcasts the step's plan (``rank_plan.py``) before running
+its own slice of the forward; the others run theirs on the same plan. KV exports and
+imports (the prefill/decode hand-off) gather and scatter the other ranks' heads the same way.
 
 Two groups: the compute group, whose collectives (all-reduce, all-gather) time out after
 ``--distributed-timeout`` so a dead or hung rank fails the worker instead of hanging it;
@@ -23,9 +24,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from xlserve.config import EngineConfig
+from xlserve.engine.kv_blocks import KVShards
 from xlserve.layers.attention import DecodePath
 from xlserve.parallel import tensor_parallel
-from xlserve.parallel.step_plan import StepPlan, send_plan
+from xlserve.parallel.rank_plan import PlanKind, RankPlan, send_plan
 from xlserve.supervisor import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,11 @@ def join(init_method: str, rank: int, size: int, timeout: float, device: str):
     return plan_group
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes (its last dimension times its item size), for collectives of any dtype."""
+    return t.contiguous().view(torch.uint8)
+
+
 def leave() -> None:
     import torch.distributed as dist
     tensor_parallel.set_current(tensor_parallel.TensorParallel())
@@ -69,7 +76,7 @@ def leave() -> None:
         dist.destroy_process_group()
 
 
-class TensorParallelRanks:
+class TensorParallelRanks(KVShards):
     """Rank 0's side: starts ranks 1..size-1, joins them, broadcasts plans, stops them."""
 
     def __init__(self, config: EngineConfig):
@@ -91,18 +98,33 @@ class TensorParallelRanks:
         except BaseException:
             self._kill()
             raise
+        self.tp = tensor_parallel.current()
+        self.rank = 0
 
-    def broadcast(self, plan: StepPlan) -> None:
+    def broadcast(self, plan: RankPlan) -> None:
         send_plan(plan, self.plan_group)
 
     def send_step(self, output, path: DecodePath, cpu_kernels: bool) -> None:
-        self.broadcast(StepPlan.of(output, path, cpu_kernels))
+        self.broadcast(RankPlan.of(output, path, cpu_kernels))
+
+    def gather(self, block_ids: list[int], local: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+        self.broadcast(RankPlan(kind=PlanKind.KV_EXPORT, block_ids=block_ids))
+        raw = as_bytes(local)  # gloo moves bytes of any dtype
+        parts = [torch.empty_like(raw) for _ in range(self.tp.size)]
+        dist.gather(raw, parts, dst=0, group=self.tp.group)
+        return torch.cat([p.view(local.dtype) for p in parts], dim=-2)  # [..., heads, dim]: rank order
+
+    def scatter(self, block_ids: list[int], full: torch.Tensor) -> None:
+        import torch.distributed as dist
+        self.broadcast(RankPlan(kind=PlanKind.KV_IMPORT, block_ids=block_ids))
+        dist.broadcast(as_bytes(full), 0, group=self.tp.group)
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop every rank (they leave their loop on the stop plan) and leave the group."""
         try:
             if all(p.poll() is None for p in self.procs):
-                self.broadcast(StepPlan(stop=True))
+                self.broadcast(RankPlan(kind=PlanKind.STOP))
             for p in self.procs:
                 p.wait(timeout=timeout)
         except Exception as e:  # noqa: BLE001 - a rank that cannot be told is killed below

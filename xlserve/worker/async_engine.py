@@ -178,6 +178,11 @@ class AsyncEngine(EngineClient):
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
+    @property
+    def running(self) -> bool:
+        """Whether the engine thread still runs (``shutdown`` waits a bounded time for it)."""
+        return self._thread.is_alive()
+
     def shutdown(self) -> None:
         self._stop.set()
         self._commands.put(("stop",))

@@ -52,5 +52,7 @@ def run_worker(engine_config: EngineConfig, server_config: ServerConfig) -> None
     finally:
         app.state.disaggregation.stop()
         state.async_engine.shutdown()
+        if not state.async_engine.running:  # its thread is done with the engine: stop the other ranks
+            state.engine.close()
     if state.async_engine.dead is not None:
         sys.exit(EXIT_ENGINE_DEAD)

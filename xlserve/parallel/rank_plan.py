@@ -1,12 +1,16 @@
-"""What rank 0 tells the other tensor-parallel ranks each step: the scheduled token chunks
-with their positions and block tables, and the forward path it chose — plain typed data,
-sent as JSON over the plan group (never pickled), validated on receipt.
+"""What rank 0 tells the other tensor-parallel ranks, one plan at a time: run a step (the
+scheduled token chunks with their positions and block tables, and the forward path rank 0
+chose), send their KV heads of some blocks (an export), write their KV heads of some blocks
+(an import: the data follows the plan), or stop. Plain typed data, sent as JSON over the
+plan group (never pickled), validated on receipt.
 
 The other ranks need no sampling parameters: they run the same forward (their slice of
 every layer, the same collectives in the same order) and leave sampling to rank 0.
 """
 
 from __future__ import annotations
+
+import enum
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -27,15 +31,23 @@ class PlannedChunk(BaseModel):
     sample: bool
 
 
-class StepPlan(BaseModel):
+class PlanKind(str, enum.Enum):
+    STEP = "step"
+    KV_EXPORT = "kv_export"  # each rank gathers its heads of ``block_ids`` to rank 0
+    KV_IMPORT = "kv_import"  # rank 0 broadcasts the blocks' every head; each rank writes its own
+    STOP = "stop"  # the worker is shutting down: the ranks leave their loop
+
+
+class RankPlan(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: PlanKind = PlanKind.STEP
     chunks: list[PlannedChunk] = []
     path: DecodePath = DecodePath.EAGER
     cpu_kernels: bool = False
-    stop: bool = False  # the worker is shutting down: the ranks leave their loop
+    block_ids: list[int] = []
 
     @classmethod
-    def of(cls, output: SchedulerOutput, path: DecodePath, cpu_kernels: bool) -> "StepPlan":
+    def of(cls, output: SchedulerOutput, path: DecodePath, cpu_kernels: bool) -> "RankPlan":
         return cls(chunks=[PlannedChunk(token_ids=s.token_ids, start_position=s.start_position, block_ids=s.block_ids,
                                         window_block_ids=[list(t) for t in s.window_block_ids], sample=s.sample)
                            for s in output.scheduled], path=path, cpu_kernels=cpu_kernels)
@@ -48,7 +60,7 @@ class StepPlan(BaseModel):
                 for i, c in enumerate(self.chunks)]
 
 
-def send_plan(plan: StepPlan, group) -> None:
+def send_plan(plan: RankPlan, group) -> None:
     """From rank 0 to every rank of ``group``: the JSON's length, then its bytes."""
     import torch.distributed as dist
     data = plan.model_dump_json().encode()
@@ -56,7 +68,7 @@ def send_plan(plan: StepPlan, group) -> None:
     dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, group=group)
 
 
-def receive_plan(group) -> StepPlan:
+def receive_plan(group) -> RankPlan:
     import torch.distributed as dist
     size = torch.zeros(1, dtype=torch.int64)
     dist.broadcast(size, 0, group=group)
@@ -64,4 +76,4 @@ def receive_plan(group) -> StepPlan:
         raise ValueError(f"a step plan of {int(size)} bytes (at most {MAX_PLAN_BYTES})")
     data = torch.empty(int(size), dtype=torch.uint8)
     dist.broadcast(data, 0, group=group)
-    return StepPlan.model_validate_json(data.numpy().tobytes())
+    return RankPlan.model_validate_json(data.numpy().tobytes())
