@@ -26,11 +26,11 @@ log = logging.getLogger("xlserve.serve")
 PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
-    """In the child, before exec: the kernel sends SIGTERM when the parent dies, so
+def die_with_parent(sig: signal.Signals = signal.SIGTERM) -> None:
+    """In the child, before exec: the kernel sends ``sig`` when the parent dies, so
     workers never outlive a killed ``xlserve serve`` (Linux; elsewhere a no-op)."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
     except (OSError, AttributeError):
         pass
 

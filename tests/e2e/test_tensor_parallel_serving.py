@@ -1,13 +1,17 @@
-"""``xlserve serve --tensor-parallel-size 3``: the default model (9 query and 3 key/value
-heads) on prefill and decode workers of three ranks each — the prefill worker's rank 0
-gathers every rank's KV heads into the hand-off, the decode worker's scatters them — answers
-chats exactly as one single-process worker does (float32: the sums of three ranks round as
-one matmul's do only to float32 precision, which greedy decoding does not see here)."""
+"""Tensor-parallel workers serving the default model (9 query and 3 key/value heads: three
+ranks) answer chats exactly as one single-process worker does (float32: the sums of three
+ranks round as one matmul's do only to float32 precision, which greedy decoding does not see
+here) — under ``xlserve serve`` (prefill and decode workers of three ranks each: rank 0
+gathers every rank's KV heads into the hand-off, the other worker's rank 0 scatters them),
+and with a three-rank prefill worker handing off to a one-rank decode worker."""
 
 import psutil
+import pytest
 from openai import OpenAI
 
 from tests.e2e.server_process import metric, running_server
+
+COMMON = ("--dtype", "float32", "--log-level", "warning")
 
 CHATS = ["Name three primary colors.", "What is the capital of France? Answer in one sentence.",
          "Write a haiku about the sea."]
@@ -20,13 +24,52 @@ def _answers(url: str) -> list[str]:
                                            temperature=0).choices[0].message.content for c in CHATS]
 
 
-def test_three_ranks_per_worker_answer_as_one_process():
-    common = ("--dtype", "float32", "--log-level", "warning")
-    with running_server(*common, "--tensor-parallel-size", "3", command="serve", timeout=300) as split:
+@pytest.fixture(scope="module")
+def reference() -> list[str]:
+    with running_server(*COMMON) as single:
+        return _answers(single)
+
+
+def _alive(procs) -> list:
+    return [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_three_ranks_per_worker_answer_as_one_process(reference):
+    with running_server(*COMMON, "--tensor-parallel-size", "3", command="serve", timeout=300) as split:
         ranks = [p for p in psutil.Process().children(recursive=True) if "xlserve.parallel.follower" in p.cmdline()]
         assert len(ranks) == 4  # two workers, each with ranks 1 and 2 beside itself
-        split_answers = _answers(split)
+        assert _answers(split) == reference
         assert metric(split, "xlserve_kv_transfer_bytes_total") > 0  # the decode worker pulled the blocks
-    assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    with running_server(*common) as single:
-        assert _answers(single) == split_answers
+    assert not _alive(ranks)
+
+
+def test_a_three_rank_prefill_worker_hands_off_to_a_one_rank_decode_worker(reference):
+    with running_server(*COMMON, "--role", "prefill", "--tensor-parallel-size", "3") as prefill, \
+            running_server(*COMMON, "--role", "decode") as decode, \
+            running_server("--prefill", prefill, "--decode", decode, "--log-level", "warning",
+                           command="router") as router:
+        assert _answers(router) == reference
+        assert metric(router, "xlserve_kv_transfer_bytes_total") > 0  # the decode worker pulled the blocks
+
+
+def test_a_killed_rank_takes_its_worker_down_and_the_router_serves_from_the_other():
+    """A rank killed while its worker idles: the worker notices between steps and exits (the
+    supervisor's cue to restart it) with no rank left behind; the router answers from the
+    other worker meanwhile."""
+    import signal
+
+    import httpx
+
+    from tests.e2e.server_process import PROCESSES
+    from xlserve.worker.server import EXIT_ENGINE_DEAD
+    with running_server(*COMMON, "--tensor-parallel-size", "3") as split, running_server(*COMMON) as single, \
+            running_server("--both", split, single, "--log-level", "warning", command="router") as router:
+        worker = PROCESSES[split]
+        ranks = [p for p in psutil.Process(worker.pid).children() if "xlserve.parallel.follower" in p.cmdline()]
+        assert len(ranks) == 2
+        ranks[0].send_signal(signal.SIGKILL)
+        assert worker.wait(timeout=30) == EXIT_ENGINE_DEAD
+        assert not _alive(ranks)
+        chat = {"model": "default", "messages": [{"role": "user", "content": CHATS[0]}], "max_tokens": 8}
+        for _ in range(3):
+            assert httpx.post(f"{router}/v1/chat/completions", json=chat, timeout=60).status_code == 200

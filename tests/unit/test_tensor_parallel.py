@@ -79,3 +79,26 @@ def test_kv_hand_off_between_one_and_two_ranks(tiny_model_dirs):
             assert llm.engine.kv.import_blocks(payload) == 4
             out = llm.generate(prompt, greedy)[0]
             assert out.cached_tokens == 64 and out.outputs[0].token_ids == reference
+
+
+def test_a_dead_rank_stops_the_engine_within_the_timeout(tiny_model_dirs):
+    """Rank 1 killed between steps: rank 0's next collective fails, which is fatal (the
+    ranks can no longer stay in step), well before --distributed-timeout."""
+    import signal
+    import time
+
+    from xlserve.engine.errors import EngineFatal
+    llm = LLM(tiny_model_dirs["llama"], dtype="float32", kv_cache_tokens=256, tensor_parallel_size=2,
+              distributed_timeout=20)
+    try:
+        llm.generate(list(range(10, 20)), SamplingParams(max_tokens=2, temperature=0))
+        (rank,) = psutil.Process().children()
+        rank.send_signal(signal.SIGKILL)
+        rank.wait(timeout=10)
+        start = time.monotonic()
+        with pytest.raises(EngineFatal, match="out of step"):
+            llm.generate(list(range(10, 20)), SamplingParams(max_tokens=2, temperature=0))
+        assert time.monotonic() - start < 20
+    finally:
+        llm.close()
+    assert tensor_parallel.current().size == 1

@@ -84,6 +84,12 @@ class LLMEngine:
         self.steps_by_path: collections.Counter = collections.Counter()  # DecodePath -> steps taken
         self.num_failed_requests = 0
 
+    def check_ranks(self) -> None:
+        """``EngineFatal`` when another tensor-parallel rank has exited (checked between steps,
+        so an idle worker notices too)."""
+        if self.ranks is not None:
+            self.ranks.check()
+
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (a no-op with one); the engine is unusable after."""
         if self.ranks is not None:

@@ -23,6 +23,7 @@ from xlserve.layers.attention import AttentionMetadata, PrefillChunk, additive_m
 from xlserve.loader.model_loader import LoadedModel
 from xlserve.models.arch import FEATURES
 from xlserve.parallel import tensor_parallel
+from xlserve.parallel.ranks import out_of_step
 
 
 @dataclass(frozen=True)
@@ -202,9 +203,12 @@ class ModelRunner:
             logits = self.graphs.logits([s.token_ids[0] for s in scheduled], [s.start_position for s in scheduled],
                                         [s.block_ids for s in scheduled])
             return self._sample(logits[:len(scheduled)], scheduled, path)
-        if self.announce is not None:
-            self.announce(output, path, cpu_kernels)
-        logits, sampling = self._forward(output.scheduled, path, cpu_kernels)
+        if self.tp.size > 1:  # every rank runs the forward, or none can go on
+            with out_of_step():
+                self.announce(output, path, cpu_kernels)
+                logits, sampling = self._forward(output.scheduled, path, cpu_kernels)
+        else:
+            logits, sampling = self._forward(output.scheduled, path, cpu_kernels)
         if logits is None:
             return RunnerOutput(decode_path=path)
         return self._sample(logits, sampling, path)

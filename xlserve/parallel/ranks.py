@@ -12,10 +12,13 @@ lives (they die with it: the kernel signals them when it exits).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import functools
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -24,11 +27,12 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from xlserve.config import EngineConfig
+from xlserve.engine.errors import FATAL_ERRORS, EngineFatal, describe
 from xlserve.engine.kv_blocks import KVShards
 from xlserve.layers.attention import DecodePath
 from xlserve.parallel import tensor_parallel
 from xlserve.parallel.rank_plan import PlanKind, RankPlan, send_plan
-from xlserve.supervisor import die_with_parent
+from xlserve.supervisor import die_with_parent, exit_cause
 
 log = logging.getLogger(__name__)
 IDLE_WAIT = datetime.timedelta(days=3650)  # the plan group: idle ranks wait while the worker lives
@@ -64,6 +68,18 @@ def join(init_method: str, rank: int, size: int, timeout: float, device: str):
     return plan_group
 
 
+@contextlib.contextmanager
+def out_of_step():
+    """A failure between ranks (one died, hung past --distributed-timeout, or a collective
+    broke half way) leaves them out of step for good: fatal, so the worker exits and is restarted."""
+    try:
+        yield
+    except FATAL_ERRORS:
+        raise
+    except Exception as e:
+        raise EngineFatal(f"tensor-parallel ranks are out of step: {describe(e)}") from e
+
+
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes (its last dimension times its item size), for collectives of any dtype."""
     return t.contiguous().view(torch.uint8)
@@ -87,8 +103,9 @@ class TensorParallelRanks(KVShards):
         self.procs = []
         for rank in range(1, size):
             spec = RankSpec(engine=flat_options(config), rank=rank, size=size, init_method=init_method)
+            # SIGKILL when the worker dies: it reaches a stopped rank too, and a rank keeps nothing to save
             proc = subprocess.Popen([sys.executable, "-m", "xlserve.parallel.follower"], stdin=subprocess.PIPE,
-                                    preexec_fn=die_with_parent)
+                                    preexec_fn=functools.partial(die_with_parent, signal.SIGKILL))
             proc.stdin.write(spec.model_dump_json().encode())
             proc.stdin.close()
             self.procs.append(proc)
@@ -102,7 +119,8 @@ class TensorParallelRanks(KVShards):
         self.rank = 0
 
     def broadcast(self, plan: RankPlan) -> None:
-        send_plan(plan, self.plan_group)
+        with out_of_step():
+            send_plan(plan, self.plan_group)
 
     def send_step(self, output, path: DecodePath, cpu_kernels: bool) -> None:
         self.broadcast(RankPlan.of(output, path, cpu_kernels))
@@ -112,21 +130,29 @@ class TensorParallelRanks(KVShards):
         self.broadcast(RankPlan(kind=PlanKind.KV_EXPORT, block_ids=block_ids))
         raw = as_bytes(local)  # gloo moves bytes of any dtype
         parts = [torch.empty_like(raw) for _ in range(self.tp.size)]
-        dist.gather(raw, parts, dst=0, group=self.tp.group)
+        with out_of_step():
+            dist.gather(raw, parts, dst=0, group=self.tp.group)
         return torch.cat([p.view(local.dtype) for p in parts], dim=-2)  # [..., heads, dim]: rank order
 
     def scatter(self, block_ids: list[int], full: torch.Tensor) -> None:
         import torch.distributed as dist
         self.broadcast(RankPlan(kind=PlanKind.KV_IMPORT, block_ids=block_ids))
-        dist.broadcast(as_bytes(full), 0, group=self.tp.group)
+        with out_of_step():
+            dist.broadcast(as_bytes(full), 0, group=self.tp.group)
+
+    def check(self) -> None:
+        """Raise ``EngineFatal`` when another rank has exited (the worker cannot go on without it)."""
+        for rank, p in enumerate(self.procs, start=1):
+            if p.poll() is not None:
+                raise EngineFatal(f"tensor-parallel rank {rank} (pid {p.pid}) {exit_cause(p.returncode)}")
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop every rank (they leave their loop on the stop plan) and leave the group."""
         try:
-            if all(p.poll() is None for p in self.procs):
+            if all(p.poll() is None for p in self.procs):  # else the rest cannot hear it: killed below
                 self.broadcast(RankPlan(kind=PlanKind.STOP))
-            for p in self.procs:
-                p.wait(timeout=timeout)
+                for p in self.procs:
+                    p.wait(timeout=timeout)
         except Exception as e:  # noqa: BLE001 - a rank that cannot be told is killed below
             log.warning("tensor-parallel ranks did not stop cleanly: %s", e)
         finally:

@@ -222,6 +222,9 @@ class AsyncEngine(EngineClient):
             _, fn, args, future = command
             try:
                 future.set_result(fn(self.engine, *args))
+            except FATAL_ERRORS as e:  # the caller learns it, and the engine stops (e.g. a rank died)
+                future.set_exception(e)
+                raise
             except Exception as e:  # delivered to the caller
                 future.set_exception(e)
 
@@ -236,6 +239,7 @@ class AsyncEngine(EngineClient):
                         self._handle(self._commands.get_nowait())
                 except queue.Empty:
                     pass
+                self.engine.check_ranks()
                 if self.engine.has_unfinished_requests():
                     self.step_started = time.monotonic()
                     for out in self.engine.step():
