@@ -80,7 +80,9 @@ def tiny_model_dirs(tmp_path_factory):
         # Random init is small; widen the weights so logits are far from ties.
         with torch.no_grad():
             for param_name, p in model.named_parameters():
-                if p.dim() == 2:
+                if name == "gpt_oss" and param_name.endswith("_bias"):  # the experts' biases: zero at init
+                    p.normal_(0.0, 0.5)
+                elif p.dim() == 2:
                     p.mul_(4.0)
                 elif name == "gemma3" and param_name.endswith("norm.weight"):  # offsets from 1, zero at init
                     p.normal_(0.0, 0.2)

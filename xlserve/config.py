@@ -115,6 +115,9 @@ class ParallelConfig:
                                      "MLP columns and the vocabulary split, one all-reduce per attention and per "
                                      "MLP block over torch.distributed (gloo on CPU, NCCL on CUDA). The worker "
                                      "starts the other ranks itself; rank 0 schedules and samples.")
+    expert_parallel: bool = _opt(False, "Mixture-of-experts layers: give each tensor-parallel rank whole experts (an "
+                                 "equal share) instead of a slice of every expert; the router, attention and "
+                                 "shared experts stay split as without it.")
     distributed_timeout: float = _opt(300.0, "Seconds one collective between ranks may take before the worker "
                                       "fails (a rank that died or hangs), instead of waiting forever.")
 

@@ -73,6 +73,11 @@ def write_blocks(kv_caches: list[tuple[torch.Tensor, ...]], block_ids: list[int]
             part.view(-1, block_size, *part.shape[1:])[ids] = data[:, s, p].to(part.device, part.dtype)
 
 
+def own_heads(full: torch.Tensor, local: int, rank: int) -> torch.Tensor:
+    """A rank's heads of blocks with every head: its share in rank order (all of a shared entry)."""
+    return full if local == full.shape[-2] else full[..., rank * local:(rank + 1) * local, :]
+
+
 class KVShards(ABC):
     """The KV heads the other tensor-parallel ranks hold, as rank 0 reaches them. Every call
     is collective: each other rank reads or writes the same blocks of its own pool."""
@@ -196,7 +201,7 @@ class KVBlockStore:
             return KVPayload(self.layout, [], b"")
         ids = [b.block_id for b in blocks]
         data = read_blocks(self.kv_caches, ids, self.layout.block_size)  # [n, slots, parts, bs, hk, d]
-        if self.shards is not None:
+        if self.shards is not None and data.shape[-2] < self.layout.num_kv_heads:  # else each rank has them all
             data = self.shards.gather(ids, data)
         data = data.contiguous().cpu()
         raw = data.view(torch.int16) if data.dtype in (torch.bfloat16, torch.float16) else data
@@ -252,9 +257,9 @@ class KVBlockStore:
             -1, layout.num_layers, layout.parts, layout.block_size, layout.num_kv_heads, layout.head_dim)
         ids = [block_id for block_id, _ in written]
         data = rows[[row for _, row in written]]
-        local = self.kv_caches[0][0].shape[1]  # this rank's heads: its share, in rank order
-        rank = self.shards.rank if self.shards is not None else 0
-        write_blocks(self.kv_caches, ids, data[..., rank * local:(rank + 1) * local, :], layout.block_size)
+        local = self.kv_caches[0][0].shape[1]  # this rank's heads: its share in rank order, or all of them
+        write_blocks(self.kv_caches, ids, own_heads(data, local, self.shards.rank if self.shards else 0),
+                     layout.block_size)
         if self.shards is not None:
             self.shards.scatter(ids, data)
 

@@ -76,8 +76,10 @@ class Split(enum.Enum):
 
 
 class Linear(nn.Linear):
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, split: Split = Split.NONE):
-        self.split, self.tp = split, tensor_parallel.current()
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, split: Split = Split.NONE,
+                 reduce: bool = True):
+        """``reduce`` (row split): sum the ranks' partial products here, or leave that to the caller."""
+        self.split, self.tp, self.reduce = split, tensor_parallel.current(), reduce
         if split is Split.COLUMN:
             out_features = self.tp.part(out_features, "output features")
         elif split is Split.ROW:
@@ -88,9 +90,11 @@ class Linear(nn.Linear):
         pass  # weights come from the checkpoint; see Embedding.reset_parameters
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.split is Split.ROW and self.tp.size > 1:  # the bias once, after the sum
-            out = self.tp.all_reduce(linear(x, self.weight, None))
-            return out if self.bias is None else out + self.bias
+        if self.split is Split.ROW and self.tp.size > 1:  # the bias once: after the sum, or on rank 0
+            out = linear(x, self.weight, None)
+            if self.reduce:
+                out = self.tp.all_reduce(out)
+            return out if self.bias is None or not (self.reduce or self.tp.rank == 0) else out + self.bias
         return linear(x, self.weight, self.bias)
 
     def load_whole(self, param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xlserve.layers.attention import AttentionMetadata, PrefillChunk, additive_mask
-from xlserve.layers.linear import Linear
+from xlserve.layers.linear import Linear, Split
 from xlserve.layers.norm import RMSNorm
 from xlserve.layers.rotary import PositionEncoding, yarn_mscale
 from xlserve.models.arch import ModelArch
@@ -42,24 +42,26 @@ def softmax_scale(arch: ModelArch) -> float:
 class LatentAttention(nn.Module):
     def __init__(self, arch: ModelArch, positional: PositionEncoding):
         super().__init__()
-        if tensor_parallel.current().size > 1:
-            raise ValueError("tensor parallelism does not split multi-head latent attention yet; serve this model with "
-                             "--tensor-parallel-size 1")
-        self.num_heads, self.rank, self.rope_dim = arch.num_heads, arch.kv_lora_rank, arch.head_dim
+        # tensor parallel: each rank its heads (their query, key/value expansion and output
+        # columns); the two down-projections, their norms and the latent cache are whole on every rank
+        self.num_heads = tensor_parallel.current().part(arch.num_heads, "attention heads")
+        self.rank, self.rope_dim = arch.kv_lora_rank, arch.head_dim
         self.nope_dim, self.v_dim = arch.qk_nope_head_dim, arch.v_head_dim
-        q_size = self.num_heads * (self.nope_dim + self.rope_dim)
+        q_size = arch.num_heads * (self.nope_dim + self.rope_dim)
         self.low_rank_q = arch.q_lora_rank > 0
         # the two latent norms use the reference's default eps, not the config's rms_norm_eps
         if self.low_rank_q:
             self.q_a_layernorm = RMSNorm(arch.q_lora_rank, 1e-6)
             self.q_a_proj = Linear(arch.hidden_size, arch.q_lora_rank, bias=arch.attention_bias)
-            self.q_b_proj = Linear(arch.q_lora_rank, q_size, bias=False)
+            self.q_b_proj = Linear(arch.q_lora_rank, q_size, bias=False, split=Split.COLUMN)
         else:
-            self.q_proj = Linear(arch.hidden_size, q_size, bias=False)
+            self.q_proj = Linear(arch.hidden_size, q_size, bias=False, split=Split.COLUMN)
         self.kv_a_proj_with_mqa = Linear(arch.hidden_size, self.rank + self.rope_dim, bias=arch.attention_bias)
         self.kv_a_layernorm = RMSNorm(self.rank, 1e-6)
-        self.kv_b_proj = Linear(self.rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = Linear(self.num_heads * self.v_dim, arch.hidden_size, bias=arch.attention_bias)
+        self.kv_b_proj = Linear(self.rank, arch.num_heads * (self.nope_dim + self.v_dim), bias=False,
+                                split=Split.COLUMN)
+        self.o_proj = Linear(arch.num_heads * self.v_dim, arch.hidden_size, bias=arch.attention_bias,
+                             split=Split.ROW)
         self.positional = positional
         self.scale = softmax_scale(arch)
         self.kv_cache: tuple[torch.Tensor] | None = None  # ([slots, 1, rank + rope_dim],)

@@ -14,12 +14,14 @@ ACTIVATION = {"silu": nn.functional.silu,
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu"):
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu", reduce: bool = True):
+        """``reduce``: under tensor parallelism, sum the ranks' parts here (False: the caller
+        sums them, with its own: a MoE layer's shared expert)."""
         super().__init__()
         self.act = ACTIVATION[activation]
         size = intermediate_size
         self.gate_up_proj = MergedLinear(hidden_size, {"gate": size, "up": size}, bias=False)
-        self.down_proj = Linear(size, hidden_size, bias=False, split=Split.ROW)  # tensor parallel: one all-reduce
+        self.down_proj = Linear(size, hidden_size, bias=False, split=Split.ROW, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

@@ -83,57 +83,76 @@ ROUTES = {Router.SOFTMAX_TOPK: ExpertRouter._softmax_topk, Router.SIGMOID_GROUPE
 
 
 class SparseMoE(nn.Module):
+    """Routed experts (stacked SwiGLU weights) and an optional shared expert. Under tensor
+    parallelism each rank holds every expert's slice of the intermediate columns, or with
+    ``--expert-parallel`` whole experts (an equal share of them); either way each rank adds up
+    its part of every token's output (the tokens are the same on every rank) and one
+    all-reduce per layer combines them, the shared expert's part included."""
+
     def __init__(self, arch: ModelArch):
         super().__init__()
-        if tensor_parallel.current().size > 1:
-            raise ValueError("tensor parallelism does not split mixture-of-experts layers yet; serve this model with "
-                             "--tensor-parallel-size 1")
+        self.tp = tp = tensor_parallel.current()
         self.num_experts, self.top_k = arch.num_experts, arch.num_experts_per_tok
-        size, hidden = arch.moe_intermediate_size, arch.hidden_size
+        self.size = arch.moe_intermediate_size  # an expert's whole width
+        hidden = arch.hidden_size
+        by_expert = tp.expert_parallel and tp.size > 1
+        self.experts = tp.span(arch.num_experts, "experts") if by_expert else slice(0, arch.num_experts)
+        self.columns = tp.span(self.size, "expert columns") if tp.size > 1 and not by_expert else slice(0, self.size)
+        local, width = self.experts.stop - self.experts.start, self.columns.stop - self.columns.start
         self.gate = ExpertRouter(arch)
         self.scale_input = arch.router is Router.SIGMOID_TOPK_INPUT
         self.limit, self.alpha = arch.swiglu_limit, arch.swiglu_alpha
-        self.w_gate_up = nn.Parameter(torch.empty(arch.num_experts, 2 * size, hidden), requires_grad=False)
-        self.w_down = nn.Parameter(torch.empty(arch.num_experts, hidden, size), requires_grad=False)
+        self.w_gate_up = nn.Parameter(torch.empty(local, 2 * width, hidden), requires_grad=False)
+        self.w_down = nn.Parameter(torch.empty(local, hidden, width), requires_grad=False)
         self.b_gate_up = self.b_down = None
         if arch.expert_bias:  # gpt-oss
-            self.b_gate_up = nn.Parameter(torch.empty(arch.num_experts, 2 * size), requires_grad=False)
-            self.b_down = nn.Parameter(torch.empty(arch.num_experts, hidden), requires_grad=False)
+            self.b_gate_up = nn.Parameter(torch.empty(local, 2 * width), requires_grad=False)
+            self.b_down = nn.Parameter(torch.empty(local, hidden), requires_grad=False)
+        # the down bias once per expert: on its owner, or on rank 0 when every rank has a slice
+        self.add_down_bias = by_expert or tp.rank == 0
         self.shared_expert = self.shared_expert_gate = None
         if arch.shared_expert_intermediate_size:
-            self.shared_expert = MLP(hidden, arch.shared_expert_intermediate_size)
+            self.shared_expert = MLP(hidden, arch.shared_expert_intermediate_size, reduce=False)
             if arch.shared_expert_gated:
                 self.shared_expert_gate = Linear(hidden, 1, bias=False)
 
     def load(self, shard: tuple, loaded: torch.Tensor) -> set:
-        """A checkpoint tensor into the stacked weights (or biases); returns the (expert, part)
-        shards it filled. ``shard``: (expert, part) for one expert's projection (Mixtral, Qwen,
-        DeepSeek), or (None, part) for every expert's in one tensor: "gate_up_proj" and
-        "down_proj" input-major ([E, hidden, 2 x size] gate first, [E, size, hidden]: Llama 4,
-        gpt-oss), or GGUF's output-major "gate_exps", "up_exps", "down_exps"; a "_bias" part
-        fills the biases the same way (gpt-oss)."""
+        """A checkpoint tensor into this rank's stacked weights (or biases); returns the
+        (expert, part) shards it covers. ``shard``: (expert, part) for one expert's projection
+        (Mixtral, Qwen, DeepSeek), or (None, part) for every expert's in one tensor:
+        "gate_up_proj" and "down_proj" input-major ([E, hidden, 2 x size] gate first,
+        [E, size, hidden]: Llama 4, gpt-oss), or GGUF's output-major "gate_exps", "up_exps",
+        "down_exps"; a "_bias" part fills the biases the same way (gpt-oss)."""
         expert, part = shard
-        size = self.w_down.shape[2]
-        if expert is not None:
-            target = {"gate": self.w_gate_up.data[expert, :size], "up": self.w_gate_up.data[expert, size:],
-                      "down": self.w_down.data[expert]}[part]
-            copy_checked(target, loaded, f"expert {expert} {part}")
-            return {shard}
         bias = part.endswith("_bias")
-        base = part.removesuffix("_bias")
-        gate_up, down = (self.b_gate_up, self.b_down) if bias else (self.w_gate_up, self.w_down)
-        if gate_up is None:
+        if bias and self.b_gate_up is None:
             raise ValueError(f"experts {part}: this model's experts have no biases")
-        if base in ("gate_up_proj", "down_proj"):  # every projection of every expert
-            parts = ("gate", "up") if base == "gate_up_proj" else ("down",)
-            target = gate_up if base == "gate_up_proj" else down
-            copy_checked(target.data, loaded if bias else loaded.transpose(1, 2), f"experts {part}")
+        if expert is not None:  # [size, hidden] / [hidden, size]
+            pieces, experts = {part: loaded.unsqueeze(0)}, [expert]
         else:
-            parts = (base.removesuffix("_exps"),)
-            halves = {"gate": gate_up.data[:, :size], "up": gate_up.data[:, size:], "down": down.data}
-            copy_checked(halves[parts[0]], loaded, f"experts {part}")
+            pieces, experts = _every_expert(part.removesuffix("_bias"), loaded, bias), range(self.num_experts)
+        for name, whole in pieces.items():
+            self._copy(name, bias, experts, whole)
         suffix = "_bias" if bias else ""
-        return {(e, p + suffix) for e in range(self.num_experts) for p in parts}
+        return {(e, name + suffix) for e in experts for name in pieces}
+
+    def _copy(self, part: str, bias: bool, experts, whole: torch.Tensor) -> None:
+        """``whole``: ``experts``' part in the layout gate/up [n, size, hidden] (bias [n, size]),
+        down [n, hidden, size] (bias [n, hidden]); this rank keeps its experts and columns."""
+        first, local = experts[0], self.experts
+        keep = [i for i, e in enumerate(experts) if local.start <= e < local.stop]
+        if not keep:
+            return
+        whole = whole[keep[0]:keep[-1] + 1]
+        rows = slice(experts[keep[0]] - local.start, experts[keep[-1]] - local.start + 1)
+        if part != "down":
+            whole = whole[:, self.columns]
+        elif not bias:
+            whole = whole[:, :, self.columns]
+        width = self.columns.stop - self.columns.start
+        gate_up, down = (self.b_gate_up, self.b_down) if bias else (self.w_gate_up, self.w_down)
+        target = {"gate": gate_up.data[rows, :width], "up": gate_up.data[rows, width:], "down": down.data[rows]}[part]
+        copy_checked(target, whole, f"experts {first}.. {part}{' bias' if bias else ''}")
 
     def expected_loads(self, prefix: str) -> set:
         """(parameter name, shard) pairs a complete checkpoint fills."""
@@ -152,22 +171,22 @@ class SparseMoE(nn.Module):
         out = torch.zeros_like(x)
         start = 0
         for expert, count in enumerate(counts):
-            if not count:
-                continue
-            rows = tokens[start:start + count]
-            weight = weights.flatten()[order[start:start + count]].unsqueeze(1)
-            y = self.expert(expert, x[rows] * weight) if self.scale_input else self.expert(expert, x[rows]) * weight
-            out.index_add_(0, rows, y.to(x.dtype))
+            local = expert - self.experts.start
+            if count and 0 <= local < self.w_down.shape[0]:  # another rank's expert: its part, not ours
+                rows = tokens[start:start + count]
+                weight = weights.flatten()[order[start:start + count]].unsqueeze(1)
+                y = self.expert(local, x[rows] * weight) if self.scale_input else self.expert(local, x[rows]) * weight
+                out.index_add_(0, rows, y.to(x.dtype))
             start += count
         if self.shared_expert_gate is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         elif self.shared_expert is not None:
             out += self.shared_expert(x)
-        return out
+        return self.tp.all_reduce(out)
 
     def expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert ``index``'s gated MLP over all the rows routed to it: SwiGLU, or gpt-oss's
-        clamped (up + 1) * gate * sigmoid(alpha * gate) with biases."""
+        """This rank's expert ``index``'s gated MLP (its columns) over all the rows routed to it:
+        SwiGLU, or gpt-oss's clamped (up + 1) * gate * sigmoid(alpha * gate) with biases."""
         size = self.w_down.shape[2]
         gate_up = x @ self.w_gate_up[index].T
         if self.b_gate_up is not None:
@@ -179,4 +198,15 @@ class SparseMoE(nn.Module):
         else:
             hidden = nn.functional.silu(gate) * up
         out = hidden @ self.w_down[index].T
-        return out if self.b_down is None else out + self.b_down[index]
+        return out if self.b_down is None or not self.add_down_bias else out + self.b_down[index]
+
+
+def _every_expert(base: str, loaded: torch.Tensor, bias: bool) -> dict[str, torch.Tensor]:
+    """Every expert's projections in one checkpoint tensor, as gate / up / down in ``_copy``'s layout."""
+    if base == "gate_up_proj":  # input-major [E, hidden, 2 x size], gate first (bias [E, 2 x size])
+        fused = loaded if bias else loaded.transpose(1, 2)
+        gate, up = fused.chunk(2, dim=1)
+        return {"gate": gate, "up": up}
+    if base == "down_proj":  # input-major [E, size, hidden] (bias [E, hidden])
+        return {"down": loaded if bias else loaded.transpose(1, 2)}
+    return {base.removesuffix("_exps"): loaded}  # GGUF, output-major

@@ -44,6 +44,7 @@ class KVCacheSpec:
     parts: int
     heads: int
     dim: int
+    shared: bool = False  # one entry serves every query head (MLA's latent): each tensor-parallel rank keeps it whole
 
     def bytes_per_token(self, num_layers: int, itemsize: int) -> int:
         return num_layers * self.parts * self.heads * self.dim * itemsize
@@ -188,7 +189,7 @@ class ModelArch:
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
         if self.kv_lora_rank:
-            return KVCacheSpec(1, 1, self.kv_lora_rank + self.head_dim)
+            return KVCacheSpec(1, 1, self.kv_lora_rank + self.head_dim, shared=True)
         return KVCacheSpec(2, self.num_kv_heads, self.head_dim)
 
     def kv_groups(self) -> list[tuple[int, int]]:

@@ -21,8 +21,7 @@ def main() -> None:
     spec = RankSpec.model_validate_json(sys.stdin.buffer.read())
     from xlserve.config import EngineConfig
     config = EngineConfig.from_kwargs(**spec.engine)
-    plan_group = join(spec.init_method, spec.rank, spec.size, config.parallel.distributed_timeout,
-                      config.model.device)
+    plan_group = join(spec.init_method, spec.rank, spec.size, config)
     try:
         runner = _runner(config)
         log.info("tensor-parallel rank %d of %d ready", spec.rank, spec.size)
@@ -39,17 +38,16 @@ def _move_kv(plan: RankPlan, runner, block_size: int, rank: int) -> None:
     """This rank's heads of the plan's blocks: to rank 0 (an export) or from it (an import)."""
     import torch.distributed as dist
 
-    from xlserve.engine.kv_blocks import read_blocks, write_blocks
+    from xlserve.engine.kv_blocks import own_heads, read_blocks, write_blocks
     from xlserve.parallel import tensor_parallel
     group = tensor_parallel.current().group
     local = read_blocks(runner.kv_caches, plan.block_ids, block_size)
     if plan.kind is PlanKind.KV_EXPORT:
         dist.gather(as_bytes(local), None, dst=0, group=group)
         return
-    heads = local.shape[-2]
-    full = torch.empty(*local.shape[:-2], heads * tensor_parallel.current().size, local.shape[-1], dtype=local.dtype)
+    full = torch.empty(*local.shape[:-2], plan.kv_heads, local.shape[-1], dtype=local.dtype)
     dist.broadcast(as_bytes(full), 0, group=group)  # a view: fills ``full``
-    write_blocks(runner.kv_caches, plan.block_ids, full[..., rank * heads:(rank + 1) * heads, :], block_size)
+    write_blocks(runner.kv_caches, plan.block_ids, own_heads(full, local.shape[-2], rank), block_size)
 
 
 def _runner(config):

@@ -45,6 +45,7 @@ class RankPlan(BaseModel):
     path: DecodePath = DecodePath.EAGER
     cpu_kernels: bool = False
     block_ids: list[int] = []
+    kv_heads: int = Field(default=0, ge=0)  # a KV import: the heads the broadcast blocks carry (every head)
 
     @classmethod
     def of(cls, output: SchedulerOutput, path: DecodePath, cpu_kernels: bool) -> "RankPlan":

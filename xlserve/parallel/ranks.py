@@ -53,9 +53,10 @@ def flat_options(config: EngineConfig) -> dict:
             for name, value in dataclasses.asdict(sub).items()}
 
 
-def join(init_method: str, rank: int, size: int, timeout: float, device: str):
+def join(init_method: str, rank: int, size: int, config: EngineConfig):
     """This process into the group as ``rank``; sets ``tensor_parallel.current()``. Returns the plan group."""
     import torch.distributed as dist
+    device, timeout = config.model.device, config.parallel.distributed_timeout
     cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -64,7 +65,8 @@ def join(init_method: str, rank: int, size: int, timeout: float, device: str):
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout))
     plan_group = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
-    tensor_parallel.set_current(tensor_parallel.TensorParallel(rank, size, dist.group.WORLD))
+    tensor_parallel.set_current(tensor_parallel.TensorParallel(rank, size, dist.group.WORLD,
+                                                               config.parallel.expert_parallel))
     return plan_group
 
 
@@ -111,7 +113,7 @@ class TensorParallelRanks(KVShards):
             self.procs.append(proc)
         log.info("started tensor-parallel ranks 1..%d (pids %s)", size - 1, [p.pid for p in self.procs])
         try:
-            self.plan_group = join(init_method, 0, size, config.parallel.distributed_timeout, config.model.device)
+            self.plan_group = join(init_method, 0, size, config)
         except BaseException:
             self._kill()
             raise
@@ -136,7 +138,7 @@ class TensorParallelRanks(KVShards):
 
     def scatter(self, block_ids: list[int], full: torch.Tensor) -> None:
         import torch.distributed as dist
-        self.broadcast(RankPlan(kind=PlanKind.KV_IMPORT, block_ids=block_ids))
+        self.broadcast(RankPlan(kind=PlanKind.KV_IMPORT, block_ids=block_ids, kv_heads=full.shape[-2]))
         with out_of_step():
             dist.broadcast(as_bytes(full), 0, group=self.tp.group)
 

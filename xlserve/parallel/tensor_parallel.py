@@ -19,6 +19,7 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: object = None  # the torch.distributed group of the compute collectives
+    expert_parallel: bool = False  # MoE layers: whole experts per rank instead of every expert's columns
 
     def part(self, total: int, what: str) -> int:
         """This rank's share of ``total`` (heads, columns, experts' widths): an even split."""
@@ -33,8 +34,10 @@ class TensorParallel:
         return slice(self.rank * n, (self.rank + 1) * n)
 
     def kv_cache_spec(self, spec):
-        """A rank's share of a ``KVCacheSpec``: its key/value heads."""
-        return dataclasses.replace(spec, heads=self.part(spec.heads, "key/value heads")) if self.size > 1 else spec
+        """A rank's share of a ``KVCacheSpec``: its key/value heads (all of a shared entry)."""
+        if self.size == 1 or spec.shared:
+            return spec
+        return dataclasses.replace(spec, heads=self.part(spec.heads, "key/value heads"))
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``x`` (partial products of a row-parallel matmul), in place."""
