@@ -37,9 +37,9 @@ def _engine_config(args) -> EngineConfig:
     return EngineConfig(*(config_from_args(args, cls) for cls, _ in ENGINE_GROUPS))
 
 
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+def _add_engine_args(parser: argparse.ArgumentParser, command: str) -> None:
     for cls, title in ENGINE_GROUPS:
-        add_config_args(parser, cls, title)
+        add_config_args(parser, cls, title, command=command)
 
 
 def _setup_logging(level: str = "info") -> None:
@@ -75,7 +75,11 @@ def cmd_worker(args) -> int:
     from xlserve.worker.server import run_worker
     _preflight(args, args.model)
     _setup_logging(args.log_level)
-    run_worker(_engine_config(args), _server_config(args))
+    engine = _engine_config(args)
+    if engine.parallel.node_rank > 0:  # another machine's share of the ranks; node 0 serves
+        from xlserve.parallel.ranks import host_node
+        return host_node(engine)
+    run_worker(engine, _server_config(args))
     return 0
 
 
@@ -121,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "serving the OpenAI API (--colocated: one worker)", cmd_serve),
             (WORKER, "run one worker: an HTTP server around one engine", cmd_worker)):
         p = sub.add_parser(name, help=help_text, description=help_text)
-        _add_engine_args(p)
+        _add_engine_args(p, name)
         add_config_args(p, ServerConfig, "server", command=name)
         if name == "serve":
             add_config_args(p, SupervisorConfig, "supervision of the workers")
@@ -150,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     g.add_argument("--seed", type=int, default=None, help="sampling seed for reproducible output")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
-    _add_engine_args(g)
+    _add_engine_args(g, "generate")
     g.set_defaults(func=cmd_generate)
     _add_plan_parser(sub)
     from xlserve.bench.cli import add_bench_parser

@@ -120,10 +120,27 @@ class ParallelConfig:
                                  "shared experts stay split as without it.")
     distributed_timeout: float = _opt(300.0, "Seconds one collective between ranks may take before the worker "
                                       "fails (a rank that died or hangs), instead of waiting forever.")
+    nnodes: int = _opt(1, "Machines the tensor-parallel ranks span, each running tensor-parallel-size / nnodes of "
+                       "them. Node 0 runs the worker (it serves the API); every other node runs 'xlserve worker' with "
+                       "the same flags and its own --node-rank, which hosts that node's ranks and serves nothing.",
+                       commands=(WORKER,))
+    node_rank: int = _opt(0, "This machine's place among --nnodes (0: the one that serves).", commands=(WORKER,))
+    master_addr: str = _opt("127.0.0.1", "Address of node 0, where the ranks meet. The rendezvous has no key: with "
+                            "several nodes, keep it on a private network.", commands=(WORKER,))
+    master_port: int = _opt(0, "Port on node 0 where the ranks meet; 0 picks a free one (one node only).",
+                            commands=(WORKER,))
 
     def __post_init__(self):
         if not 1 <= self.tensor_parallel_size <= 64:
             raise ValueError(f"tensor_parallel_size must be in 1..64, got {self.tensor_parallel_size}")
+        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"nnodes ({self.nnodes}) must divide tensor_parallel_size ({self.tensor_parallel_size})")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in 0..{self.nnodes - 1}, got {self.node_rank}")
+        if self.nnodes > 1 and not 0 < self.master_port < 65536:
+            raise ValueError("several nodes need --master-port: the port on node 0 where every node's ranks meet")
+        if not 0 <= self.master_port < 65536:
+            raise ValueError(f"master_port must be in 0..65535, got {self.master_port}")
         if self.distributed_timeout <= 0:
             raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
 

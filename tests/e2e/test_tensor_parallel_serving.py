@@ -73,3 +73,32 @@ def test_a_killed_rank_takes_its_worker_down_and_the_router_serves_from_the_othe
         chat = {"model": "default", "messages": [{"role": "user", "content": CHATS[0]}], "max_tokens": 8}
         for _ in range(3):
             assert httpx.post(f"{router}/v1/chat/completions", json=chat, timeout=60).status_code == 200
+
+
+def test_two_nodes_on_loopback_serve_a_request(tiny_model_dirs, tmp_path):
+    """--nnodes 2: node 0's worker serves with rank 0, node 1's hosts rank 1; they meet at
+    --master-port and answer as one process; stopping node 0 stops node 1's rank."""
+    import subprocess
+    import sys
+
+    from tests.e2e.server_process import free_port
+    from tests.e2e.test_model_families import _with_word_tokenizer
+    model = _with_word_tokenizer(tiny_model_dirs["llama"], tmp_path / "llama")
+    prompt = " ".join(f"t{i}" for i in range(20, 60))
+
+    def complete(url: str) -> str:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+        return client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=16,
+                                         temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+    with running_server("--model", model, *COMMON) as single:
+        expected = complete(single)
+    port = free_port()
+    nodes = ("--model", model, *COMMON, "--tensor-parallel-size", "2", "--nnodes", "2", "--master-port", str(port))
+    node1 = subprocess.Popen([sys.executable, "-m", "xlserve.cli", "worker", *nodes, "--node-rank", "1"])
+    try:
+        with running_server(*nodes) as node0:
+            assert complete(node0) == expected
+        assert node1.wait(timeout=30) == 0
+    finally:
+        if node1.poll() is None:
+            node1.kill()

@@ -94,24 +94,54 @@ def leave() -> None:
         dist.destroy_process_group()
 
 
+def rendezvous(config: EngineConfig) -> str:
+    """Where the ranks meet: node 0's --master-addr and --master-port, or a free loopback port."""
+    p = config.parallel
+    if p.master_port:
+        return f"tcp://{p.master_addr}:{p.master_port}"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def start_ranks(config: EngineConfig, init_method: str, ranks) -> list[subprocess.Popen]:
+    """Ranks other than 0 as processes of this machine, each told its place on its stdin."""
+    procs = []
+    for rank in ranks:
+        spec = RankSpec(engine=flat_options(config), rank=rank, size=config.parallel.tensor_parallel_size,
+                        init_method=init_method)
+        # SIGKILL when the worker dies: it reaches a stopped rank too, and a rank keeps nothing to save
+        proc = subprocess.Popen([sys.executable, "-m", "xlserve.parallel.follower"], stdin=subprocess.PIPE,
+                                preexec_fn=functools.partial(die_with_parent, signal.SIGKILL))
+        proc.stdin.write(spec.model_dump_json().encode())
+        proc.stdin.close()
+        procs.append(proc)
+    log.info("started tensor-parallel ranks %s (pids %s)", list(ranks), [p.pid for p in procs])
+    return procs
+
+
+def host_node(config: EngineConfig) -> int:
+    """``xlserve worker --node-rank N`` (N > 0): this node's ranks, until they exit; their first
+    non-zero exit code, or 0."""
+    p = config.parallel
+    per_node = p.tensor_parallel_size // p.nnodes
+    procs = start_ranks(config, rendezvous(config), range(p.node_rank * per_node, (p.node_rank + 1) * per_node))
+    try:
+        codes = [proc.wait() for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return next((c for c in codes if c), 0)
+
+
 class TensorParallelRanks(KVShards):
     """Rank 0's side: starts ranks 1..size-1, joins them, broadcasts plans, stops them."""
 
     def __init__(self, config: EngineConfig):
         size = config.parallel.tensor_parallel_size
-        with socket.socket() as s:  # the rendezvous: this machine only
-            s.bind(("127.0.0.1", 0))
-            init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-        self.procs = []
-        for rank in range(1, size):
-            spec = RankSpec(engine=flat_options(config), rank=rank, size=size, init_method=init_method)
-            # SIGKILL when the worker dies: it reaches a stopped rank too, and a rank keeps nothing to save
-            proc = subprocess.Popen([sys.executable, "-m", "xlserve.parallel.follower"], stdin=subprocess.PIPE,
-                                    preexec_fn=functools.partial(die_with_parent, signal.SIGKILL))
-            proc.stdin.write(spec.model_dump_json().encode())
-            proc.stdin.close()
-            self.procs.append(proc)
-        log.info("started tensor-parallel ranks 1..%d (pids %s)", size - 1, [p.pid for p in self.procs])
+        init_method = rendezvous(config)
+        self.procs = start_ranks(config, init_method, range(1, size // config.parallel.nnodes))
         try:
             self.plan_group = join(init_method, 0, size, config)
         except BaseException:
