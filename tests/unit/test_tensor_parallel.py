@@ -1,6 +1,6 @@
 """Tensor parallelism over real processes (gloo): two ranks, each with half of every layer's
 heads, MLP and expert columns (or half the experts) and half the vocabulary, give rank 0
-the tokens one process gives —
+the tokens one process gives (greedy, and seeded sampling's draws) —
 batched prompts of mixed lengths, prefilled in chunks, asked again for prefix hits — and
 logits within float32 rounding of a single process; what cannot be split is refused clearly
 and leaves no process behind."""
@@ -25,7 +25,9 @@ def _run(path: str, **options) -> list:
     with LLM(path, dtype="float32", kv_cache_tokens=2048, max_num_batched_tokens=32, **options) as llm:
         first = llm.generate(prompts, params)
         again = llm.generate(prompts[:2], params)  # prefix-cache hits
-        return first + again
+        seeded = llm.generate(prompts[1:3], SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=11,
+                                                           ignore_eos=True, logprobs=0))  # rank 0 draws
+        return first + again + seeded
 
 
 @pytest.mark.parametrize("arch,expert_parallel", [(a, False) for a in DENSE + MOE] + [(a, True) for a in MOE])
