@@ -46,8 +46,14 @@ def test_two_ranks_equal_one(tiny_model_dirs, arch, expert_parallel):
     assert tensor_parallel.current().size == 1  # closing left the group
 
 
-def test_each_rank_holds_its_share(tiny_model_dirs):
+def test_each_rank_holds_its_share(tiny_model_dirs, caplog):
+    """... and reads only that share of the checkpoint (the norms are read whole)."""
+    import re
+    caplog.set_level("INFO", logger="xlserve.loader.model_loader")
     with LLM(tiny_model_dirs["llama"], dtype="float32", kv_cache_tokens=256, tensor_parallel_size=2) as llm:
+        read, total = map(float, re.search(r"rank 0 read ([\d.]+) MiB of the checkpoint's ([\d.]+) MiB",
+                                           caplog.text).groups())
+        assert 0.45 * total < read < 0.55 * total
         runner = llm.engine.runner
         attn = runner.model.model.layers[0].self_attn
         assert (attn.num_heads, attn.num_kv_heads) == (2, 1)  # of 4 and 2

@@ -13,6 +13,7 @@ from torch import nn
 
 from xlserve.layers.linear import Linear, copy_checked
 from xlserve.layers.mlp import MLP
+from xlserve.loader.lazy_tensor import whole
 from xlserve.models.arch import ModelArch, Router
 from xlserve.parallel import tensor_parallel
 
@@ -124,6 +125,7 @@ class SparseMoE(nn.Module):
         [E, size, hidden]: Llama 4, gpt-oss), or GGUF's output-major "gate_exps", "up_exps",
         "down_exps"; a "_bias" part fills the biases the same way (gpt-oss)."""
         expert, part = shard
+        loaded = whole(loaded)  # experts read whole: their slices are not contiguous rows or columns
         bias = part.endswith("_bias")
         if bias and self.b_gate_up is None:
             raise ValueError(f"experts {part}: this model's experts have no biases")
@@ -131,8 +133,8 @@ class SparseMoE(nn.Module):
             pieces, experts = {part: loaded.unsqueeze(0)}, [expert]
         else:
             pieces, experts = _every_expert(part.removesuffix("_bias"), loaded, bias), range(self.num_experts)
-        for name, whole in pieces.items():
-            self._copy(name, bias, experts, whole)
+        for name, tensor in pieces.items():
+            self._copy(name, bias, experts, tensor)
         suffix = "_bias" if bias else ""
         return {(e, name + suffix) for e in experts for name in pieces}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ from xlserve.loader.safetensors_dir import SafetensorsDir
 from xlserve.loader.tokenizer import Tokenizer, load_gguf_tokenizer, load_hf_tokenizer, load_model_tokenizer
 from xlserve.models.arch import ModelArch
 from xlserve.models.registry import build_model, model_class
+from xlserve.parallel import tensor_parallel
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +76,17 @@ def load_model(config: ModelConfig) -> LoadedModel:
     materialize(model, device)
     if arch.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    bar = tqdm(reader.weights(dtype), total=reader.num_tensors, desc=f"Loading {source.name}",
+    tp = tensor_parallel.current()
+    # tensor parallel: each rank reads only its slices of the (memory-mapped) safetensors
+    weights = reader.weights(dtype, lazy=True) if tp.size > 1 and source.kind != "gguf" else reader.weights(dtype)
+    bar = tqdm(weights, total=reader.num_tensors, desc=f"Loading {source.name}",
                unit="tensor", leave=False, disable=None)  # None: only on a terminal
+    started = time.perf_counter()
     model.load_weights(bar)
+    if tp.size > 1 and source.kind != "gguf":
+        seconds = time.perf_counter() - started
+        log.info("rank %d read %.1f MiB of the checkpoint's %.1f MiB in %.2f s (%.0f MiB/s)", tp.rank,
+                 reader.read.bytes / 2**20, reader.file_bytes / 2**20, seconds, reader.read.bytes / 2**20 / seconds)
     model.eval()
     if config.prepack_weights and device.type == "cpu":
         from xlserve.layers.linear import prepack_linear_weights

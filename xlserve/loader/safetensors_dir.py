@@ -10,6 +10,10 @@ from typing import Iterator
 import torch
 
 from xlserve.loader.checkpoint_quantization import checkpoint_quantization
+from xlserve.loader.lazy_tensor import LazyTensor, ReadCount
+
+# the stored types of quantized tensors (FP8, MXFP4 bytes, packed INT4): read whole and dequantized
+QUANTIZED_DTYPES = {"F8_E4M3", "F8_E5M2", "U8", "I32"}
 
 
 class SafetensorsDir:
@@ -25,6 +29,7 @@ class SafetensorsDir:
         self.location = {name: file for file in self.files for name in self._names(file)}  # tensor -> its shard
         self.num_tensors = sum(1 for name in self.location if not self._companion(name))
         self._open: dict[str, object] = {}  # shard -> open handle, for _fetch
+        self.read = ReadCount()
 
     @staticmethod
     def _names(file: str) -> list[str]:
@@ -63,19 +68,33 @@ class SafetensorsDir:
             raise ValueError(f"weight shards listed in the index are missing: {missing}")
         return files
 
-    def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    @property
+    def file_bytes(self) -> int:
+        return sum(os.path.getsize(f) for f in self.files)
+
+    def weights(self, dtype: torch.dtype, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
+        """(name, tensor) in ``dtype``; ``lazy``: unquantized tensors as ``LazyTensor``s, read
+        when (and as far as) the model's loader indexes them (tensor-parallel slices)."""
         # safe_open memory-maps the file: tensors are read as they are copied in.
         from safetensors import SafetensorError, safe_open
         for file in self.files:
             try:
                 with safe_open(file, "pt") as f:
                     for name in f.keys():
-                        if not self._companion(name):
+                        if self._companion(name):
+                            continue
+                        if lazy and not self._quantized(f, name):
+                            yield name, LazyTensor(f.get_slice(name), dtype, self.read)
+                        else:
                             yield self._plain(name, f.get_tensor(name), dtype)
             except SafetensorError as e:
                 raise ValueError(f"cannot read weights {file!r} (corrupt or truncated?): {e}") from e
 
+    def _quantized(self, f, name: str) -> bool:
+        return self.quantization is not None and f.get_slice(name).get_dtype() in QUANTIZED_DTYPES
+
     def _plain(self, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> tuple[str, torch.Tensor]:
+        self.read.bytes += tensor.numel() * tensor.element_size()
         plain = self.quantization and self.quantization.dequantize(name, tensor, self._fetch)
         if plain:
             name, tensor = plain

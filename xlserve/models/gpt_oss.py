@@ -9,6 +9,7 @@ The published checkpoints keep the experts in MXFP4: the loader dequantizes them
 
 import torch
 
+from xlserve.loader.lazy_tensor import whole
 from xlserve.models.llama import LlamaForCausalLM
 
 
@@ -19,5 +20,6 @@ class GptOssForCausalLM(LlamaForCausalLM):
         if name.endswith(("_blocks", "_scales")):
             raise ValueError(f"{name}: an MXFP4 tensor in a checkpoint whose config has no mxfp4 quantization_config")
         if name.endswith((".experts.gate_up_proj", ".experts.gate_up_proj_bias")):
+            tensor = whole(tensor)
             return torch.cat((tensor[..., ::2], tensor[..., 1::2]), dim=-1)
         return tensor
