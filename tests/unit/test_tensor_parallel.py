@@ -117,3 +117,14 @@ def test_a_dead_rank_stops_the_engine_within_the_timeout(tiny_model_dirs):
     finally:
         llm.close()
     assert tensor_parallel.current().size == 1
+
+
+def test_the_parallel_benchmark_runs(tiny_model_dirs):
+    """``xlserve bench parallel`` end to end on a tiny model (its figures go to docs/benchmarks.md)."""
+    from xlserve.bench.parallel_bench import ParallelBenchOptions, parallel_table, run_parallel_bench
+    results = run_parallel_bench(ParallelBenchOptions(model=tiny_model_dirs["llama"], sizes=(1, 2), repeats=1,
+                                                      dtype="float32"))
+    two = results["summary"]["2"]
+    assert results["summary"]["1"]["decode_b1"]["collective_share"] == 0
+    assert 0 < two["decode_b1"]["collective_share"] < 1 and two["load_s"]["median"] > 0
+    assert "raw read of the files" in parallel_table(results)

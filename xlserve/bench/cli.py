@@ -54,6 +54,19 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--out", default="bench-serve.json", help="where to write the JSON results")
     s.add_argument("--png", default="", help="also write a chart here")
     s.set_defaults(func=cmd_bench_serve)
+    p = kinds.add_parser("parallel", help="tensor parallelism: load and step times, one rank beside N",
+                         description="Loads the model with 1 and N tensor-parallel ranks (alternating, --repeats "
+                                     "times) and times the load against a raw read of its files, a 512-token "
+                                     "prefill and batch-1 / batch-8 decode steps, with the share of each step "
+                                     "spent in collectives.")
+    p.add_argument("--model", default="", help="a Hugging Face directory (default: a 0.2B Llama-shaped model "
+                   "with random weights, written under --workdir)")
+    p.add_argument("--sizes", default="1,2", help="comma-separated tensor-parallel sizes")
+    p.add_argument("--repeats", type=int, default=3, help="runs of every size, alternating")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
+    p.add_argument("--workdir", default=".bench-parallel", help="where the synthetic model is written")
+    p.add_argument("--out", default="bench-parallel.json", help="where to write the JSON results")
+    p.set_defaults(func=cmd_bench_parallel)
 
 
 def cmd_bench_engine(args) -> int:
@@ -121,4 +134,15 @@ def cmd_bench_serve(args) -> int:
     if args.png:
         serve_png(rows, args.png)
         print(f"chart: {args.png}")
+    return 0
+
+
+def cmd_bench_parallel(args) -> int:
+    from xlserve.bench.parallel_bench import ParallelBenchOptions, parallel_table, run_parallel_bench
+    opts = ParallelBenchOptions(model=args.model, sizes=tuple(int(x) for x in args.sizes.split(",")),
+                                repeats=args.repeats, dtype=args.dtype, workdir=args.workdir)
+    results = run_parallel_bench(opts)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+    print(parallel_table(results))
     return 0

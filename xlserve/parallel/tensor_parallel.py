@@ -9,6 +9,7 @@ is the identity, so the single-process path is the same code.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +44,9 @@ class TensorParallel:
         """The sum of every rank's ``x`` (partial products of a row-parallel matmul), in place."""
         if self.size > 1:
             import torch.distributed as dist
+            started = time.perf_counter()
             dist.all_reduce(x, group=self.group)
+            COLLECTIVES.add(time.perf_counter() - started)
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -52,10 +55,25 @@ class TensorParallel:
             return x
         import torch.distributed as dist
         parts = [torch.empty_like(x) for _ in range(self.size)]
+        started = time.perf_counter()
         dist.all_gather(parts, x.contiguous(), group=self.group)
+        COLLECTIVES.add(time.perf_counter() - started)
         return torch.cat(parts, dim=-1)
 
 
+@dataclass
+class CollectiveTime:
+    """Seconds this process spent in collectives (waiting for the slowest rank included): the
+    communication share a benchmark reports. Costs one clock read per collective."""
+    seconds: float = 0.0
+    calls: int = 0
+
+    def add(self, seconds: float) -> None:
+        self.seconds += seconds
+        self.calls += 1
+
+
+COLLECTIVES = CollectiveTime()
 _current = TensorParallel()
 
 

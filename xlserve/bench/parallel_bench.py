@@ -1,0 +1,140 @@
+"""``xlserve bench parallel``: tensor parallelism on this machine, one rank beside N.
+
+- Load: seconds from ``LLM(...)`` to ready (the other ranks started, each reading only its
+  slices of the memory-mapped safetensors), beside the time one process takes to read the
+  checkpoint's files whole (warm page cache, as every load after the first sees them).
+- Steps: a 512-token prefill (shorter where the context is), batch-1 and batch-8 decode —
+  seconds per engine step, and the share rank 0 spent in collectives (all-reduce,
+  all-gather; waiting for the slowest rank included).
+
+Setups alternate within each repeat; medians and the spread (min-max) are reported.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from statistics import median
+
+# a Llama-shaped model of ~0.2B parameters with random weights (16 heads, 8 KV heads: splits
+# over 2, 4 or 8 ranks), when no --model is given
+SYNTHETIC = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
+                 num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                 tie_word_embeddings=False)
+
+
+@dataclass(frozen=True)
+class ParallelBenchOptions:
+    model: str = ""  # a Hugging Face directory; empty: the synthetic model, written under workdir
+    sizes: tuple[int, ...] = (1, 2)
+    repeats: int = 3
+    dtype: str = "auto"
+    workdir: str = ".bench-parallel"
+
+
+def synthetic_model(workdir: str) -> str:
+    path = os.path.join(workdir, "llama-0.2b-random")
+    if not os.path.exists(os.path.join(path, "model.safetensors")):
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(**SYNTHETIC)).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def raw_read_seconds(path: str) -> float:
+    """One process reading every safetensors file whole, after a first read warms the page cache."""
+    files = [os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith(".safetensors")]
+    seconds = 0.0
+    for warm in (True, False):
+        started = time.perf_counter()
+        for name in files:
+            with open(name, "rb", buffering=0) as f:
+                while f.read(16 << 20):
+                    pass
+        seconds = 0.0 if warm else time.perf_counter() - started
+    return seconds
+
+
+def _steps(engine, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, float]]:
+    """(seconds, seconds in collectives) of each engine step until every prompt is answered."""
+    from xlserve.parallel.tensor_parallel import COLLECTIVES
+    from xlserve.sampling_params import SamplingParams
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"bench-{time.monotonic_ns()}-{i}", ids,
+                           SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    steps = []
+    while engine.has_unfinished_requests():
+        waited, started = COLLECTIVES.seconds, time.perf_counter()
+        engine.step()
+        steps.append((time.perf_counter() - started, COLLECTIVES.seconds - waited))
+    return steps
+
+
+def measure(path: str, size: int, dtype: str) -> dict:
+    import random
+
+    from xlserve import LLM
+    rng = random.Random(size)
+    started = time.perf_counter()
+    llm = LLM(path, dtype=dtype, tensor_parallel_size=size, kv_cache_tokens=8192, max_num_batched_tokens=1024)
+    load = time.perf_counter() - started
+    try:
+        vocab = llm.engine.loaded.arch.vocab_size
+
+        def ids(n: int) -> list[int]:
+            return [rng.randrange(3, vocab) for _ in range(n)]
+        _steps(llm.engine, [ids(16)], 4)  # warm-up
+        prefill_tokens = min(512, llm.engine.max_model_len - 1)
+        prefill = _steps(llm.engine, [ids(prefill_tokens)], 1)[0]
+        b1 = _steps(llm.engine, [ids(64)], 33)[1:]
+        b8 = _steps(llm.engine, [ids(64) for _ in range(8)], 33)[1:]
+    finally:
+        llm.close()
+
+    def row(steps: list[tuple[float, float]]) -> dict:
+        return {"step_s": median(s for s, _ in steps), "collective_share": sum(c for _, c in steps) / sum(
+            s for s, _ in steps)}
+    return {"ranks": size, "load_s": load, "prefill_tokens": prefill_tokens, "prefill": row([prefill]),
+            "decode_b1": row(b1), "decode_b8": row(b8)}
+
+
+def run_parallel_bench(opts: ParallelBenchOptions) -> dict:
+    path = opts.model or synthetic_model(opts.workdir)
+    runs: dict[int, list[dict]] = {size: [] for size in opts.sizes}
+    for _ in range(opts.repeats):  # interleaved: a drifting machine hits every setup alike
+        for size in opts.sizes:
+            runs[size].append(measure(path, size, opts.dtype))
+    return {"model": path, "cpu_count": os.cpu_count(), "raw_read_s": raw_read_seconds(path),
+            "file_bytes": sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
+                              if f.endswith(".safetensors")),
+            "repeats": opts.repeats, "runs": {str(k): v for k, v in runs.items()},
+            "summary": {str(size): summarize(r) for size, r in runs.items()}}
+
+
+def summarize(runs: list[dict]) -> dict:
+    def spread(values: list[float]) -> dict:
+        return {"median": median(values), "min": min(values), "max": max(values)}
+    out = {"load_s": spread([r["load_s"] for r in runs])}
+    for phase in ("prefill", "decode_b1", "decode_b8"):
+        out[phase] = {"step_s": spread([r[phase]["step_s"] for r in runs]),
+                      "collective_share": median(r[phase]["collective_share"] for r in runs)}
+    return out
+
+
+def parallel_table(results: dict) -> str:
+    lines = [f"{'ranks':>5}  {'load s':>14}  {'prefill s':>20}  {'decode b1 ms/step':>22}  "
+             f"{'decode b8 ms/step':>22}"]
+    for size, s in results["summary"].items():
+        cells = [f"{s['load_s']['median']:.2f} ({s['load_s']['min']:.2f}-{s['load_s']['max']:.2f})"]
+        for phase, scale in (("prefill", 1), ("decode_b1", 1000), ("decode_b8", 1000)):
+            p = s[phase]
+            cells.append(f"{p['step_s']['median'] * scale:.3g} ({p['step_s']['min'] * scale:.3g}-"
+                         f"{p['step_s']['max'] * scale:.3g}) {p['collective_share']:.0%}c")
+        lines.append(f"{size:>5}  {cells[0]:>14}  {cells[1]:>20}  {cells[2]:>22}  {cells[3]:>22}")
+    tokens = next(iter(results["runs"].values()))[0]["prefill_tokens"]
+    lines.append(f"prefill: one {tokens}-token prompt; raw read of the files (one process, warm cache): "
+                 f"{results['raw_read_s']:.2f} s for {results['file_bytes'] / 2**20:.0f} MiB; c: share of the step "
+                 "rank 0 spent in collectives")
+    return "\n".join(lines)
