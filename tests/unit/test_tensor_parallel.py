@@ -61,6 +61,9 @@ def test_each_rank_holds_its_share(tiny_model_dirs, caplog):
         assert runner.model.lm_head.weight.shape[0] == 160  # of 320 tokens
         children = psutil.Process().children()
         assert len(children) == 1 and children[0].is_running()
+        listening = [c.laddr.ip for p in (psutil.Process(), *children) for c in p.net_connections("tcp")
+                     if c.status == psutil.CONN_LISTEN]
+        assert listening and set(listening) <= {"127.0.0.1", "::1"}  # one machine: nothing off loopback
     children[0].wait(timeout=30)
 
 

@@ -18,10 +18,12 @@ import datetime
 import functools
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -61,7 +63,7 @@ def join(init_method: str, rank: int, size: int, config: EngineConfig):
     if cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     else:  # the ranks share this machine's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (size // config.parallel.nnodes)))
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout))
     plan_group = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
@@ -95,13 +97,16 @@ def leave() -> None:
 
 
 def rendezvous(config: EngineConfig) -> str:
-    """Where the ranks meet: node 0's --master-addr and --master-port, or a free loopback port."""
+    """Where the ranks meet: node 0's --master-addr and --master-port; on one machine, a file in
+    a directory only this user can open (no listening socket), and gloo's connections on the
+    loopback interface."""
     p = config.parallel
-    if p.master_port:
+    if p.nnodes > 1 or p.master_port:
         return f"tcp://{p.master_addr}:{p.master_port}"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
+    if loopback:  # inherited by the ranks this process starts
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+    return "file://" + os.path.join(tempfile.mkdtemp(prefix="xlserve-ranks-"), "rendezvous")
 
 
 def start_ranks(config: EngineConfig, init_method: str, ranks) -> list[subprocess.Popen]:
@@ -140,7 +145,7 @@ class TensorParallelRanks(KVShards):
 
     def __init__(self, config: EngineConfig):
         size = config.parallel.tensor_parallel_size
-        init_method = rendezvous(config)
+        self.init_method = init_method = rendezvous(config)
         self.procs = start_ranks(config, init_method, range(1, size // config.parallel.nnodes))
         try:
             self.plan_group = join(init_method, 0, size, config)
@@ -190,6 +195,8 @@ class TensorParallelRanks(KVShards):
         finally:
             self._kill()
             leave()
+            if self.init_method.startswith("file://"):
+                shutil.rmtree(os.path.dirname(self.init_method.removeprefix("file://")), ignore_errors=True)
 
     def _kill(self) -> None:
         for p in self.procs:
