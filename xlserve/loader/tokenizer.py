@@ -11,10 +11,11 @@ import json
 import os
 from typing import Sequence
 
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models
 from tokenizers import Tokenizer as HFTokenizer
 
 from xlserve.loader.chat_template import ChatTemplate, read_chat_template
+from xlserve.loader.gguf_pretokenizer import gguf_pre_tokenizer
 
 GGUF_TOKEN_CONTROL = 3
 GGUF_TOKEN_USER_DEFINED = 4
@@ -134,7 +135,7 @@ def load_gguf_tokenizer(meta: dict) -> Tokenizer:
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.pre_tokenizer = gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
     backend.decoder = decoders.ByteLevel()
     types = meta.get("tokenizer.ggml.token_type", [])
     added = [AddedToken(tokens[i], special=(t == GGUF_TOKEN_CONTROL), normalized=False)
