@@ -102,3 +102,26 @@ def test_two_nodes_on_loopback_serve_a_request(tiny_model_dirs, tmp_path):
     finally:
         if node1.poll() is None:
             node1.kill()
+
+
+def test_nodes_that_disagree_on_the_model_or_pool_refuse_to_start(tiny_model_dirs, tmp_path):
+    """Each node starts from its own flags: a node whose KV pool (or model, or dtype) differs
+    from node 0's is found after loading, and both sides exit non-zero with the reason."""
+    import subprocess
+    import sys
+
+    from tests.e2e.server_process import free_port
+    port = free_port()
+    nodes = ("--model", tiny_model_dirs["llama"], *COMMON, "--tensor-parallel-size", "2", "--nnodes", "2",
+             "--master-port", str(port))
+    node1 = subprocess.Popen([sys.executable, "-m", "xlserve.cli", "worker", *nodes, "--node-rank", "1",
+                              "--kv-cache-tokens", "4096"], stderr=subprocess.PIPE, text=True)
+    node0 = subprocess.Popen([sys.executable, "-m", "xlserve.cli", "worker", *nodes, "--port", str(free_port())],
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert node0.wait(timeout=120) != 0 and node1.wait(timeout=60) != 0
+        assert "load another model, dtype or KV pool than rank 0" in node0.stderr.read()
+    finally:
+        for proc in (node0, node1):
+            if proc.poll() is None:
+                proc.kill()

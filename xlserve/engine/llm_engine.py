@@ -26,7 +26,7 @@ from xlserve.engine.scheduler import Scheduler, SchedulerOutput
 from xlserve.hashing import BlockHash, block_hashes
 from xlserve.loader.model_loader import LoadedModel, load_model
 from xlserve.loader.tokenizer import prompt_token_ids
-from xlserve.parallel.ranks import TensorParallelRanks
+from xlserve.parallel.ranks import TensorParallelRanks, agree
 from xlserve.planner.memory_plan import pool_bytes_per_token
 from xlserve.sampling_params import SamplingParams
 
@@ -62,6 +62,8 @@ class LLMEngine:
                                  arch.max_position_embeddings)
         self.block_size = config.cache.block_size
         self.num_blocks = pool_blocks(config, self.loaded)
+        if self.ranks is not None:
+            agree(self.loaded, self.num_blocks, self.block_size)
         self.kv_plan = plan_groups(arch)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.max_model_len,
                                    self.kv_plan.groups)

@@ -10,7 +10,7 @@ import sys
 import torch
 
 from xlserve.parallel.rank_plan import PlanKind, RankPlan, receive_plan
-from xlserve.parallel.ranks import RankSpec, as_bytes, join, leave
+from xlserve.parallel.ranks import RankSpec, agree, as_bytes, join, leave
 
 log = logging.getLogger("xlserve.parallel.follower")
 
@@ -55,7 +55,9 @@ def _runner(config):
     from xlserve.engine.model_runner import ModelRunner
     from xlserve.loader.model_loader import load_model
     loaded = load_model(config.model)
-    return ModelRunner(loaded, pool_blocks(config, loaded), config.cache.block_size, None, cuda_graphs=False)
+    num_blocks = pool_blocks(config, loaded)
+    agree(loaded, num_blocks, config.cache.block_size)
+    return ModelRunner(loaded, num_blocks, config.cache.block_size, None, cuda_graphs=False)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -82,6 +83,22 @@ def out_of_step():
         raise
     except Exception as e:
         raise EngineFatal(f"tensor-parallel ranks are out of step: {describe(e)}") from e
+
+
+def agree(loaded, num_blocks: int, block_size: int) -> None:
+    """Every rank must hold a slice of the same model with the same KV pool (other nodes start
+    from their own flags): a digest of each compared once, after loading, on every rank."""
+    import torch.distributed as dist
+    tp = tensor_parallel.current()
+    what = f"{loaded.arch!r}|{loaded.dtype}|{num_blocks}|{block_size}"
+    digest = torch.frombuffer(bytearray(hashlib.sha256(what.encode()).digest()), dtype=torch.uint8)
+    digests = [torch.empty_like(digest) for _ in range(tp.size)]
+    with out_of_step():
+        dist.all_gather(digests, digest, group=tp.group)
+    differ = [rank for rank, d in enumerate(digests) if not torch.equal(d, digests[0])]
+    if differ:
+        raise ValueError(f"tensor-parallel ranks {differ} load another model, dtype or KV pool than rank 0: give "
+                         "every node the same --model, --dtype and KV-cache flags")
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
