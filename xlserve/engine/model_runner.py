@@ -147,20 +147,19 @@ class ModelRunner:
             slots.append(self._slots(table, start, start + n))
             first = window.first_key(start)  # the earliest key this step's queries read
             if n == 1:
-                decode.append((self._slots(table, first, start + 1), start + 1 - first))
+                decode.append((table, start + 1, first))
             else:
                 context = None if start == 0 else self._slots(table, first, start + n).to(self.device)
                 prefills.append(PrefillChunk(row, row + n, context, context_start=first))
             row += n
         meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(self.device), prefills=prefills,
                                  decode_rows=base.decode_rows, decode_lens=base.decode_lens)
-        if decode:
-            width = max(count for _, count in decode)
-            own = [context[-1] for context, _ in decode]  # padding reads the row's own new slot
-            table = torch.stack([torch.cat((c, own[i].repeat(width - len(c)))) for i, (c, _) in enumerate(decode)])
-            real = torch.arange(width).unsqueeze(0) < torch.tensor([count for _, count in decode]).unsqueeze(1)
+        if decode:  # each row over its window only: from its first kept position to the new token
+            lens, firsts = torch.tensor([n for _, n, _ in decode]), torch.tensor([f for _, _, f in decode])
+            blocks = block_table([t for t, _, _ in decode], len(decode), -(-int(lens.max()) // self.block_size), 0)
+            table, real, _ = decode_context(blocks, lens, int((lens - firsts).max()), self.block_size, firsts)
             meta.decode_slots = table.to(self.device)
-            meta.decode_mask = additive_mask(real.view(len(decode), 1, 1, width).to(self.device),
+            meta.decode_mask = additive_mask(real.view(len(decode), 1, 1, -1).to(self.device),
                                              self.kv_caches[0][0].dtype)
             meta.window_masks[window] = meta.decode_mask  # every slot listed is inside the window
         return meta

@@ -38,18 +38,24 @@ def block_table(block_ids: list[list[int]], rows: int, width: int, fill: int) ->
     return table
 
 
-def decode_context(table: torch.Tensor, lens: torch.Tensor, context: int,
-                   block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def decode_context(table: torch.Tensor, lens: torch.Tensor, context: int, block_size: int,
+                   first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The context of one-token sequences from their block table [B, >= context/block_size]
     and context lengths [B] (new token included): slots [B, context], ``real`` [B, context]
-    (the positions below each length) and each row's new slot [B]. Padding points at the
-    row's own new slot: a masked key still has its value multiplied by a zero weight, and
-    0 x NaN is NaN, so padding must read a slot written this step, never memory that may
-    hold any bit pattern."""
+    (the positions below each length) and each row's new slot [B]; ``first`` [B]: a window's
+    first position per row, where its context starts. Padding points at the row's own new
+    slot: a masked key still has its value multiplied by a zero weight, and 0 x NaN is NaN,
+    so padding must read a slot written this step, never memory that may hold any bit pattern."""
     pos = torch.arange(context, device=table.device)
-    slots = table[:, pos // block_size] * block_size + pos % block_size
-    real = pos.unsqueeze(0) < lens.unsqueeze(1)
-    new_slots = slots.gather(1, (lens - 1).unsqueeze(1)).squeeze(1)
+    if first is None:
+        slots = table[:, pos // block_size] * block_size + pos % block_size
+        count = lens
+    else:  # positions first .. lens - 1 of each row (padding clamped to the new token)
+        rows = (first.unsqueeze(1) + pos).minimum((lens - 1).unsqueeze(1))
+        slots = table.gather(1, rows // block_size) * block_size + rows % block_size
+        count = lens - first
+    real = pos.unsqueeze(0) < count.unsqueeze(1)
+    new_slots = slots.gather(1, (count - 1).unsqueeze(1)).squeeze(1)
     return torch.where(real, slots, new_slots.unsqueeze(1)), real, new_slots
 
 
