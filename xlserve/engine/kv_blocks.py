@@ -261,7 +261,7 @@ class KVBlockStore:
         write_blocks(self.kv_caches, ids, own_heads(data, local, self.shards.rank if self.shards else 0),
                      layout.block_size)
         if self.shards is not None:
-            self.shards.scatter(ids, data)
+            self.shards.scatter(ids, data.to(self.kv_caches[0][0].device))  # where the ranks' collectives run
 
     def pin(self, hashes: list[BlockHash], seconds: float) -> PinGrant:
         """Hold the cached prefix of ``hashes`` for at most ``seconds``."""

@@ -45,7 +45,7 @@ def _move_kv(plan: RankPlan, runner, block_size: int, rank: int) -> None:
     if plan.kind is PlanKind.KV_EXPORT:
         dist.gather(as_bytes(local), None, dst=0, group=group)
         return
-    full = torch.empty(*local.shape[:-2], plan.kv_heads, local.shape[-1], dtype=local.dtype)
+    full = torch.empty(*local.shape[:-2], plan.kv_heads, local.shape[-1], dtype=local.dtype, device=local.device)
     dist.broadcast(as_bytes(full), 0, group=group)  # a view: fills ``full``
     write_blocks(runner.kv_caches, plan.block_ids, own_heads(full, local.shape[-2], rank), block_size)
 

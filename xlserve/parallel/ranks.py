@@ -91,7 +91,8 @@ def agree(loaded, num_blocks: int, block_size: int) -> None:
     import torch.distributed as dist
     tp = tensor_parallel.current()
     what = f"{loaded.arch!r}|{loaded.dtype}|{num_blocks}|{block_size}"
-    digest = torch.frombuffer(bytearray(hashlib.sha256(what.encode()).digest()), dtype=torch.uint8)
+    digest = torch.frombuffer(bytearray(hashlib.sha256(what.encode()).digest()), dtype=torch.uint8).to(
+        "cuda" if dist.get_backend(tp.group) == "nccl" else "cpu")  # NCCL moves device tensors only
     digests = [torch.empty_like(digest) for _ in range(tp.size)]
     with out_of_step():
         dist.all_gather(digests, digest, group=tp.group)
