@@ -131,3 +131,16 @@ def test_the_parallel_benchmark_runs(tiny_model_dirs):
     assert results["summary"]["1"]["decode_b1"]["collective_share"] == 0
     assert 0 < two["decode_b1"]["collective_share"] < 1 and two["load_s"]["median"] > 0
     assert "raw read of the files" in parallel_table(results)
+
+
+@pytest.mark.parametrize("arch,per_rank", [("llama", 0.5), ("deepseek_v3", 1.0)])
+def test_a_pool_of_so_many_gib_per_rank(tiny_model_dirs, arch, per_rank):
+    """--kv-cache-memory is per rank: split KV heads fit twice the tokens in it, MLA's latent
+    (whole on every rank) the same number."""
+    from xlserve.config import EngineConfig
+    from xlserve.engine.llm_engine import pool_blocks
+    from xlserve.loader.model_loader import load_model
+    loaded = load_model(EngineConfig.from_kwargs(model=tiny_model_dirs[arch], dtype="float32").model)
+    one, two = (pool_blocks(EngineConfig.from_kwargs(model="x", kv_cache_memory=0.01, tensor_parallel_size=n),
+                            loaded) for n in (1, 2))
+    assert one / two == pytest.approx(per_rank, rel=0.01)

@@ -34,9 +34,12 @@ log = logging.getLogger(__name__)
 
 
 def pool_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
-    """The KV pool's block count, the same on every tensor-parallel rank (each holds its share
-    of the KV heads, so a pool of --kv-cache-memory GiB per rank holds that many times more tokens)."""
-    per_token = pool_bytes_per_token(loaded.arch, loaded.dtype.itemsize) // config.parallel.tensor_parallel_size
+    """The KV pool's block count, the same on every tensor-parallel rank: each holds its share
+    of the KV heads (so --kv-cache-memory GiB per rank hold that many times more tokens), or
+    all of a shared entry (MLA's latent)."""
+    per_token = pool_bytes_per_token(loaded.arch, loaded.dtype.itemsize)
+    if not loaded.arch.kv_cache_spec.shared:
+        per_token //= config.parallel.tensor_parallel_size
     return config.cache.total_blocks(per_token)
 
 
