@@ -16,6 +16,17 @@ def gguf_writer(out: str, arch: str, vocab_size: int):
     return w
 
 
+def add_header(w, cfg: dict, **values) -> None:
+    """The architecture keys every llama.cpp converter writes, from a Hugging Face config;
+    ``values``: more keys (written by ``w.add_<key>``), or other values for these."""
+    keys = {"block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
+            "embedding_length": cfg["hidden_size"], "feed_forward_length": cfg["intermediate_size"],
+            "head_count": cfg["num_attention_heads"], "head_count_kv": cfg["num_key_value_heads"],
+            "layer_norm_rms_eps": cfg["rms_norm_eps"]}
+    for key, value in {**keys, **values}.items():
+        getattr(w, f"add_{key}")(value)
+
+
 def finish(w) -> None:
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.unit.gguf_writing import finish, gguf_writer, llama3_rope_factors
+from tests.unit.gguf_writing import add_header, finish, gguf_writer, llama3_rope_factors
 from xlserve import LLM, SamplingParams
 from xlserve.layers.rotary import _inv_freq
 from xlserve.loader.gguf_file import GGUFFile
@@ -57,18 +57,9 @@ def _load(hf_dir: str) -> tuple[dict, ModelArch, dict]:
 
 
 def _header(w, cfg: dict, arch: ModelArch, ff: int, kv_heads: int) -> None:
-    w.add_block_count(arch.num_layers)
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(arch.hidden_size)
-    w.add_feed_forward_length(ff)
-    w.add_head_count(arch.num_heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_layer_norm_rms_eps(arch.rms_norm_eps)
-    w.add_rope_freq_base(arch.rope_theta)
-    w.add_vocab_size(arch.vocab_size)
-    w.add_expert_count(arch.num_experts)
-    w.add_expert_used_count(arch.num_experts_per_tok)
-    w.add_expert_feed_forward_length(arch.moe_intermediate_size)
+    add_header(w, cfg, feed_forward_length=ff, head_count_kv=kv_heads, rope_freq_base=arch.rope_theta,
+               vocab_size=arch.vocab_size, expert_count=arch.num_experts,
+               expert_used_count=arch.num_experts_per_tok, expert_feed_forward_length=arch.moe_intermediate_size)
 
 
 def _gguf_name(name: str) -> str:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.unit.gguf_writing import finish, gguf_writer, llama3_rope_factors
+from tests.unit.gguf_writing import add_header, finish, gguf_writer, llama3_rope_factors
 from xlserve import LLM, SamplingParams
 from xlserve.loader.gguf_file import GGUFFile
 from xlserve.models.arch import ModelArch
@@ -72,16 +72,8 @@ def _write_gguf(hf_dir: str, out: str, quantize: bool):
     cfg = json.loads(open(os.path.join(hf_dir, "config.json")).read())
     state = load_file(os.path.join(hf_dir, "model.safetensors"))
     w = gguf_writer(out, "llama", cfg["vocab_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     arch = ModelArch.from_hf_config(cfg)
-    w.add_rope_freq_base(arch.rope_theta)
-    w.add_eos_token_id(2)
+    add_header(w, cfg, rope_freq_base=arch.rope_theta, eos_token_id=2)
     if arch.rope_scaling_dict.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(arch.rope_scaling_dict, arch.head_dim, arch.rope_theta))
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -118,18 +110,11 @@ def _write_moe_gguf(hf_dir: str, out: str, arch: str):
     cfg["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     state = load_file(os.path.join(hf_dir, "model.safetensors"))
     w = gguf_writer(out, arch, cfg["vocab_size"])
-    for add, value in ((w.add_block_count, cfg["num_hidden_layers"]), (w.add_embedding_length, cfg["hidden_size"]),
-                       (w.add_context_length, cfg["max_position_embeddings"]),
-                       (w.add_feed_forward_length, cfg["intermediate_size"]),
-                       (w.add_head_count, cfg["num_attention_heads"]),
-                       (w.add_head_count_kv, cfg["num_key_value_heads"]),
-                       (w.add_key_length, cfg["head_dim"]), (w.add_value_length, cfg["head_dim"]),
-                       (w.add_layer_norm_rms_eps, cfg["rms_norm_eps"]), (w.add_expert_count, cfg["num_local_experts"]),
-                       (w.add_expert_used_count, cfg["num_experts_per_tok"]),
-                       (w.add_expert_feed_forward_length, cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
-                       (w.add_expert_weights_norm, cfg.get("norm_topk_prob", True))):
-        add(value)
-    w.add_rope_freq_base(ModelArch.from_hf_config(cfg).rope_theta)
+    add_header(w, cfg, key_length=cfg["head_dim"], value_length=cfg["head_dim"],
+               expert_count=cfg["num_local_experts"], expert_used_count=cfg["num_experts_per_tok"],
+               expert_feed_forward_length=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+               expert_weights_norm=cfg.get("norm_topk_prob", True),
+               rope_freq_base=ModelArch.from_hf_config(cfg).rope_theta)
     parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
@@ -269,11 +254,7 @@ def test_gemma3_gguf_matches_safetensors_of_the_same_weights(tmp_path):
     model.save_pretrained(hf_dir)
     out = str(tmp_path / "gemma3.gguf")
     w = gguf_writer(out, "gemma3", 320)
-    for add, value in ((w.add_block_count, 6), (w.add_context_length, 512), (w.add_embedding_length, 64),
-                       (w.add_feed_forward_length, 128), (w.add_head_count, 4), (w.add_head_count_kv, 2),
-                       (w.add_key_length, 16), (w.add_value_length, 16), (w.add_layer_norm_rms_eps, 1e-6),
-                       (w.add_rope_freq_base, 1000000.0), (w.add_sliding_window, 8)):
-        add(value)
+    add_header(w, cfg.to_dict(), key_length=16, value_length=16, rope_freq_base=1000000.0, sliding_window=8)
     w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
     w.add_rope_scaling_factor(2.0)
     parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
@@ -308,19 +289,11 @@ def _write_gpt_oss_gguf(hf_dir: str, out: str, mxfp4: bool) -> dict:
     rope = cfg["rope_parameters"]
     state = load_file(os.path.join(hf_dir, "model.safetensors"))
     w = gguf_writer(out, "gpt-oss", cfg["vocab_size"])
-    for add, value in ((w.add_block_count, cfg["num_hidden_layers"]), (w.add_embedding_length, cfg["hidden_size"]),
-                       (w.add_context_length, cfg["max_position_embeddings"]),
-                       (w.add_feed_forward_length, cfg["intermediate_size"]),
-                       (w.add_head_count, cfg["num_attention_heads"]),
-                       (w.add_head_count_kv, cfg["num_key_value_heads"]), (w.add_key_length, cfg["head_dim"]),
-                       (w.add_value_length, cfg["head_dim"]), (w.add_layer_norm_rms_eps, cfg["rms_norm_eps"]),
-                       (w.add_expert_count, cfg["num_local_experts"]),
-                       (w.add_expert_used_count, cfg["num_experts_per_tok"]),
-                       (w.add_expert_feed_forward_length, cfg["intermediate_size"]),
-                       (w.add_sliding_window, cfg["sliding_window"]), (w.add_rope_freq_base, rope["rope_theta"]),
-                       (w.add_rope_scaling_factor, rope["factor"]),
-                       (w.add_rope_scaling_orig_ctx_len, rope["original_max_position_embeddings"])):
-        add(value)
+    add_header(w, cfg, key_length=cfg["head_dim"], value_length=cfg["head_dim"],
+               expert_count=cfg["num_local_experts"], expert_used_count=cfg["num_experts_per_tok"],
+               expert_feed_forward_length=cfg["intermediate_size"], sliding_window=cfg["sliding_window"],
+               rope_freq_base=rope["rope_theta"], rope_scaling_factor=rope["factor"],
+               rope_scaling_orig_ctx_len=rope["original_max_position_embeddings"])
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
