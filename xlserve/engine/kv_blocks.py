@@ -253,10 +253,10 @@ class KVBlockStore:
 
     def _write(self, payload: KVPayload, written: list[tuple[int, int]]) -> None:
         layout = self.layout
-        rows = torch.from_numpy(np.frombuffer(payload.data, dtype=np.uint8).copy()).view(DTYPES[layout.dtype]).view(
-            -1, layout.num_layers, layout.parts, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        rows = np.frombuffer(payload.data, dtype=np.uint8).reshape(-1, layout.block_bytes)
         ids = [block_id for block_id, _ in written]
-        data = rows[[row for _, row in written]]
+        data = torch.from_numpy(rows[[row for _, row in written]]).view(DTYPES[layout.dtype]).view(  # copies those rows
+            -1, layout.num_layers, layout.parts, layout.block_size, layout.num_kv_heads, layout.head_dim)
         local = self.kv_caches[0][0].shape[1]  # this rank's heads: its share in rank order, or all of them
         write_blocks(self.kv_caches, ids, own_heads(data, local, self.shards.rank if self.shards else 0),
                      layout.block_size)

@@ -27,6 +27,7 @@ from xlserve.hashing import BlockHash, block_hashes
 from xlserve.loader.model_loader import LoadedModel, load_model
 from xlserve.loader.tokenizer import prompt_token_ids
 from xlserve.parallel.ranks import TensorParallelRanks, agree
+from xlserve.parallel.tensor_parallel import TensorParallel
 from xlserve.planner.memory_plan import pool_bytes_per_token
 from xlserve.sampling_params import SamplingParams
 
@@ -37,9 +38,9 @@ def pool_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
     """The KV pool's block count, the same on every tensor-parallel rank: each holds its share
     of the KV heads (so --kv-cache-memory GiB per rank hold that many times more tokens), or
     all of a shared entry (MLA's latent)."""
-    per_token = pool_bytes_per_token(loaded.arch, loaded.dtype.itemsize)
-    if not loaded.arch.kv_cache_spec.shared:
-        per_token //= config.parallel.tensor_parallel_size
+    spec = loaded.arch.kv_cache_spec
+    rank = TensorParallel(size=config.parallel.tensor_parallel_size).kv_cache_spec(spec)
+    per_token = pool_bytes_per_token(loaded.arch, loaded.dtype.itemsize) * rank.heads // spec.heads
     return config.cache.total_blocks(per_token)
 
 

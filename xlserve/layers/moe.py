@@ -138,23 +138,23 @@ class SparseMoE(nn.Module):
         suffix = "_bias" if bias else ""
         return {(e, name + suffix) for e in experts for name in pieces}
 
-    def _copy(self, part: str, bias: bool, experts, whole: torch.Tensor) -> None:
-        """``whole``: ``experts``' part in the layout gate/up [n, size, hidden] (bias [n, size]),
+    def _copy(self, part: str, bias: bool, experts, tensor: torch.Tensor) -> None:
+        """``tensor``: ``experts``' part in the layout gate/up [n, size, hidden] (bias [n, size]),
         down [n, hidden, size] (bias [n, hidden]); this rank keeps its experts and columns."""
         first, local = experts[0], self.experts
         keep = [i for i, e in enumerate(experts) if local.start <= e < local.stop]
         if not keep:
             return
-        whole = whole[keep[0]:keep[-1] + 1]
+        tensor = tensor[keep[0]:keep[-1] + 1]
         rows = slice(experts[keep[0]] - local.start, experts[keep[-1]] - local.start + 1)
         if part != "down":
-            whole = whole[:, self.columns]
+            tensor = tensor[:, self.columns]
         elif not bias:
-            whole = whole[:, :, self.columns]
+            tensor = tensor[:, :, self.columns]
         width = self.columns.stop - self.columns.start
         gate_up, down = (self.b_gate_up, self.b_down) if bias else (self.w_gate_up, self.w_down)
         target = {"gate": gate_up.data[rows, :width], "up": gate_up.data[rows, width:], "down": down.data[rows]}[part]
-        copy_checked(target, whole, f"experts {first}.. {part}{' bias' if bias else ''}")
+        copy_checked(target, tensor, f"experts {first}.. {part}{' bias' if bias else ''}")
 
     def expected_loads(self, prefix: str) -> set:
         """(parameter name, shard) pairs a complete checkpoint fills."""

@@ -78,12 +78,13 @@ def load_model(config: ModelConfig) -> LoadedModel:
         model.lm_head.weight = model.model.embed_tokens.weight
     tp = tensor_parallel.current()
     # tensor parallel: each rank reads only its slices of the (memory-mapped) safetensors
-    weights = reader.weights(dtype, lazy=True) if tp.size > 1 and source.kind != "gguf" else reader.weights(dtype)
+    sliced = tp.size > 1 and source.kind != "gguf"
+    weights = reader.weights(dtype, lazy=True) if sliced else reader.weights(dtype)
     bar = tqdm(weights, total=reader.num_tensors, desc=f"Loading {source.name}",
                unit="tensor", leave=False, disable=None)  # None: only on a terminal
     started = time.perf_counter()
     model.load_weights(bar)
-    if tp.size > 1 and source.kind != "gguf":
+    if sliced:
         seconds = time.perf_counter() - started
         log.info("rank %d read %.1f MiB of the checkpoint's %.1f MiB in %.2f s (%.0f MiB/s)", tp.rank,
                  reader.read.bytes / 2**20, reader.file_bytes / 2**20, seconds, reader.read.bytes / 2**20 / seconds)

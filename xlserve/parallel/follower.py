@@ -41,13 +41,14 @@ def _move_kv(plan: RankPlan, runner, block_size: int, rank: int) -> None:
     from xlserve.engine.kv_blocks import own_heads, read_blocks, write_blocks
     from xlserve.parallel import tensor_parallel
     group = tensor_parallel.current().group
-    local = read_blocks(runner.kv_caches, plan.block_ids, block_size)
     if plan.kind is PlanKind.KV_EXPORT:
-        dist.gather(as_bytes(local), None, dst=0, group=group)
+        dist.gather(as_bytes(read_blocks(runner.kv_caches, plan.block_ids, block_size)), None, dst=0, group=group)
         return
-    full = torch.empty(*local.shape[:-2], plan.kv_heads, local.shape[-1], dtype=local.dtype, device=local.device)
+    part = runner.kv_caches[0][0]  # [slots, this rank's heads, dim]
+    full = torch.empty(len(plan.block_ids), len(runner.kv_caches), len(runner.kv_caches[0]), block_size,
+                       plan.kv_heads, part.shape[2], dtype=part.dtype, device=part.device)
     dist.broadcast(as_bytes(full), 0, group=group)  # a view: fills ``full``
-    write_blocks(runner.kv_caches, plan.block_ids, own_heads(full, local.shape[-2], rank), block_size)
+    write_blocks(runner.kv_caches, plan.block_ids, own_heads(full, part.shape[1], rank), block_size)
 
 
 def _runner(config):
