@@ -15,17 +15,22 @@ def _rows(vocab: int) -> int:
     return -(-vocab // tensor_parallel.current().size)
 
 
-def _load_rows(param: torch.Tensor, loaded: torch.Tensor, start: int, what: str) -> None:
-    """Rows ``start ..`` of the checkpoint's whole vocabulary into this rank's slice (zeros past its end)."""
-    piece = loaded[start:start + param.shape[0]]
-    param.data[piece.shape[0]:].zero_()
-    if piece.shape[1:] != param.shape[1:]:
-        raise ValueError(f"weight {what}: expected rows of {tuple(param.shape[1:])}, checkpoint has "
-                         f"{tuple(loaded.shape[1:])}")
-    copy_checked(param.data[:piece.shape[0]], piece, what)
+class VocabularySlice:
+    """A layer holding rows ``start ..`` of the vocabulary (``tp``, ``start``: set by the layer)."""
+
+    def load_whole(self, param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+        """This rank's rows of the checkpoint's whole vocabulary (zeros past its end)."""
+        if self.tp.size == 1:
+            return copy_checked(param, loaded, what)
+        piece = loaded[self.start:self.start + param.shape[0]]
+        param.data[piece.shape[0]:].zero_()
+        if piece.shape[1:] != param.shape[1:]:
+            raise ValueError(f"weight {what}: expected rows of {tuple(param.shape[1:])}, checkpoint has "
+                             f"{tuple(loaded.shape[1:])}")
+        copy_checked(param.data[:piece.shape[0]], piece, what)
 
 
-class Embedding(nn.Embedding):
+class Embedding(VocabularySlice, nn.Embedding):
     def __init__(self, vocab_size: int, hidden_size: int):
         self.tp = tensor_parallel.current()
         rows = _rows(vocab_size)
@@ -45,13 +50,8 @@ class Embedding(nn.Embedding):
         out = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
         return self.tp.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
 
-    def load_whole(self, param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
-        if self.tp.size == 1:
-            return copy_checked(param, loaded, what)
-        _load_rows(param, loaded, self.start, what)
 
-
-class LMHead(nn.Module):
+class LMHead(VocabularySlice, nn.Module):
     """Logits of every token: each rank its vocabulary rows, gathered in rank order."""
     prepackable = True  # a linear layer to prepack_linear_weights
 
@@ -65,8 +65,3 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.tp.all_gather(linear(hidden, self.weight, None))[..., :self.vocab_size]
-
-    def load_whole(self, param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
-        if self.tp.size == 1:
-            return copy_checked(param, loaded, what)
-        _load_rows(param, loaded, self.start, what)
