@@ -118,11 +118,17 @@ class ParallelConfig:
     expert_parallel: bool = _opt(False, "Mixture-of-experts layers: give each tensor-parallel rank whole experts (an "
                                  "equal share) instead of a slice of every expert; the router, attention and "
                                  "shared experts stay split as without it.")
+    pipeline_parallel_size: int = _opt(1, "Pipeline stages: each holds a run of consecutive layers (balanced by "
+                                       "their planned compute per token, the head counted on the last), with "
+                                       "tensor-parallel-size ranks of its own. A step's batch is cut into as "
+                                       "many micro-batches so the stages overlap; the first stage embeds, the "
+                                       "last computes the logits and rank 0 samples.")
     distributed_timeout: float = _opt(300.0, "Seconds one collective between ranks may take before the worker "
                                       "fails (a rank that died or hangs), instead of waiting forever.")
-    nnodes: int = _opt(1, "Machines the tensor-parallel ranks span, each running tensor-parallel-size / nnodes of "
-                       "them. Node 0 runs the worker (it serves the API); every other node runs 'xlserve worker' with "
-                       "the same flags and its own --node-rank, which hosts that node's ranks and serves nothing.",
+    nnodes: int = _opt(1, "Machines the ranks span, each running tensor-parallel-size x pipeline-parallel-size / "
+                       "nnodes of them. Node 0 runs the worker (it serves the API); every other node runs "
+                       "'xlserve worker' with the same flags and its own --node-rank, which hosts that node's "
+                       "ranks and serves nothing.",
                        commands=(WORKER,))
     node_rank: int = _opt(0, "This machine's place among --nnodes (0: the one that serves).", commands=(WORKER,))
     master_addr: str = _opt("127.0.0.1", "Address of node 0, where the ranks meet. The rendezvous has no key: with "
@@ -133,8 +139,11 @@ class ParallelConfig:
     def __post_init__(self):
         if not 1 <= self.tensor_parallel_size <= 64:
             raise ValueError(f"tensor_parallel_size must be in 1..64, got {self.tensor_parallel_size}")
-        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
-            raise ValueError(f"nnodes ({self.nnodes}) must divide tensor_parallel_size ({self.tensor_parallel_size})")
+        if not 1 <= self.pipeline_parallel_size <= 64:
+            raise ValueError(f"pipeline_parallel_size must be in 1..64, got {self.pipeline_parallel_size}")
+        if self.nnodes < 1 or self.world_size % self.nnodes:
+            raise ValueError(f"nnodes ({self.nnodes}) must divide the ranks: tensor_parallel_size x "
+                             f"pipeline_parallel_size ({self.world_size})")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in 0..{self.nnodes - 1}, got {self.node_rank}")
         if self.nnodes > 1 and not 0 < self.master_port < 65536:
@@ -143,6 +152,11 @@ class ParallelConfig:
             raise ValueError(f"master_port must be in 0..65535, got {self.master_port}")
         if self.distributed_timeout <= 0:
             raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
+
+    @property
+    def world_size(self) -> int:
+        """Every rank of the worker: the tensor-parallel ranks of each pipeline stage."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)

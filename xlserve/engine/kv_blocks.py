@@ -57,39 +57,58 @@ def cached_prefix(pool: BlockPool, groups: tuple[KVGroup, ...], hashes: list[Blo
         n -= 1
 
 
-def read_blocks(kv_caches: list[tuple[torch.Tensor, ...]], block_ids: list[int], block_size: int) -> torch.Tensor:
-    """These blocks of a pool, [blocks, layer slots, parts, block_size, heads, dim]."""
-    ids = torch.tensor(block_ids, device=kv_caches[0][0].device)
+def held(kv_caches: list[tuple[torch.Tensor, ...] | None]) -> list[tuple[torch.Tensor, ...]]:
+    """The layer slots a rank's pool holds (a pipeline stage: its own layers' slots; else all)."""
+    return [slot for slot in kv_caches if slot is not None]
+
+
+def read_blocks(kv_caches: list[tuple[torch.Tensor, ...] | None], block_ids: list[int],
+                block_size: int) -> torch.Tensor:
+    """These blocks of a pool's held slots, [blocks, held slots, parts, block_size, heads, dim]."""
+    slots = held(kv_caches)
+    ids = torch.tensor(block_ids, device=slots[0][0].device)
     return torch.stack([torch.stack([part.view(-1, block_size, *part.shape[1:])[ids] for part in slot], dim=1)
-                        for slot in kv_caches], dim=1)
+                        for slot in slots], dim=1)
 
 
-def write_blocks(kv_caches: list[tuple[torch.Tensor, ...]], block_ids: list[int], data: torch.Tensor,
+def write_blocks(kv_caches: list[tuple[torch.Tensor, ...] | None], block_ids: list[int], data: torch.Tensor,
                  block_size: int) -> None:
     """``read_blocks``' inverse."""
-    ids = torch.tensor(block_ids, device=kv_caches[0][0].device)
-    for s, slot in enumerate(kv_caches):
+    slots = held(kv_caches)
+    ids = torch.tensor(block_ids, device=slots[0][0].device)
+    for s, slot in enumerate(slots):
         for p, part in enumerate(slot):
             part.view(-1, block_size, *part.shape[1:])[ids] = data[:, s, p].to(part.device, part.dtype)
 
 
-def own_heads(full: torch.Tensor, local: int, rank: int) -> torch.Tensor:
-    """A rank's heads of blocks with every head: its share in rank order (all of a shared entry)."""
+def own_share(full: torch.Tensor, kv_caches: list[tuple[torch.Tensor, ...] | None], rank: int) -> torch.Tensor:
+    """A rank's part of blocks with every layer slot and head: its held slots, and its heads
+    (its share in tensor-parallel rank order, or all of a shared entry)."""
+    slots = [s for s, slot in enumerate(kv_caches) if slot is not None]
+    if len(slots) < full.shape[1]:
+        full = full[:, slots]
+    local = held(kv_caches)[0][0].shape[1]
     return full if local == full.shape[-2] else full[..., rank * local:(rank + 1) * local, :]
 
 
 class KVShards(ABC):
-    """The KV heads the other tensor-parallel ranks hold, as rank 0 reaches them. Every call
-    is collective: each other rank reads or writes the same blocks of its own pool."""
-    rank: int  # this rank: its heads are the rank-th share of every head
+    """The KV the other ranks hold, as rank 0 reaches them: other tensor-parallel ranks' heads,
+    other pipeline stages' layer slots. Every call is collective: each other rank reads or
+    writes the same blocks of its own pool."""
+    rank: int  # this rank's tensor-parallel rank: its heads are the rank-th share of every head
 
     @abstractmethod
-    def gather(self, block_ids: list[int], local: torch.Tensor) -> torch.Tensor:
-        """Every rank's heads of these blocks side by side (``read_blocks``' shape, all heads)."""
+    def gather(self, block_ids: list[int], local: torch.Tensor, layout: "KVLayout") -> torch.Tensor:
+        """Every rank's part of these blocks in place (``read_blocks``' shape, every slot and head)."""
 
     @abstractmethod
     def scatter(self, block_ids: list[int], full: torch.Tensor) -> None:
-        """The other ranks write their heads of ``full`` (every head) into these blocks."""
+        """The other ranks write their part of ``full`` (every slot and head) into these blocks."""
+
+    @abstractmethod
+    def check_layout(self, layout: "KVLayout") -> None:
+        """Raise ``ValueError`` when blocks of ``layout`` cannot move through these ranks
+        (checked before any block is read or written)."""
 
 
 @dataclass(frozen=True)
@@ -199,10 +218,12 @@ class KVBlockStore:
         blocks = [b for group in groups for b in group]
         if not blocks:
             return KVPayload(self.layout, [], b"")
+        if self.shards is not None:
+            self.shards.check_layout(self.layout)
         ids = [b.block_id for b in blocks]
         data = read_blocks(self.kv_caches, ids, self.layout.block_size)  # [n, slots, parts, bs, hk, d]
-        if self.shards is not None and data.shape[-2] < self.layout.num_kv_heads:  # else each rank has them all
-            data = self.shards.gather(ids, data)
+        if data.shape[-2] < self.layout.num_kv_heads or data.shape[1] < self.layout.num_layers:
+            data = self.shards.gather(ids, data, self.layout)  # else this rank has it all
         data = data.contiguous().cpu()
         raw = data.view(torch.int16) if data.dtype in (torch.bfloat16, torch.float16) else data
         return KVPayload(self.layout, hashes, raw.numpy().tobytes())
@@ -213,6 +234,8 @@ class KVBlockStore:
         when a windowed layout does not fit whole)."""
         if payload.layout != self.layout:
             raise ValueError(f"KV layout mismatch: got {payload.layout}, this engine has {self.layout}")
+        if self.shards is not None:
+            self.shards.check_layout(self.layout)
         hashes = payload.block_hashes
         n = len(hashes)
         while n and self._blocks_missing(hashes, n) > self.pool.num_free_blocks:
@@ -257,11 +280,10 @@ class KVBlockStore:
         ids = [block_id for block_id, _ in written]
         data = torch.from_numpy(rows[[row for _, row in written]]).view(DTYPES[layout.dtype]).view(  # copies those rows
             -1, layout.num_layers, layout.parts, layout.block_size, layout.num_kv_heads, layout.head_dim)
-        local = self.kv_caches[0][0].shape[1]  # this rank's heads: its share in rank order, or all of them
-        write_blocks(self.kv_caches, ids, own_heads(data, local, self.shards.rank if self.shards else 0),
+        write_blocks(self.kv_caches, ids, own_share(data, self.kv_caches, self.shards.rank if self.shards else 0),
                      layout.block_size)
         if self.shards is not None:
-            self.shards.scatter(ids, data.to(self.kv_caches[0][0].device))  # where the ranks' collectives run
+            self.shards.scatter(ids, data.to(held(self.kv_caches)[0][0].device))  # where the ranks' collectives run
 
     def pin(self, hashes: list[BlockHash], seconds: float) -> PinGrant:
         """Hold the cached prefix of ``hashes`` for at most ``seconds``."""

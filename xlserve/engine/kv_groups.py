@@ -43,6 +43,11 @@ class KVGroupPlan:
         where = {layer: (g, slot) for g, group in enumerate(self.groups) for slot, layer in enumerate(group.layers)}
         return [where[i] for i in range(num_layers)]
 
+    def slots_of(self, layers: range) -> list[int]:
+        """The slots these layers use (a pipeline stage's: the ones its pool allocates)."""
+        where = {layer: slot for group in self.groups for slot, layer in enumerate(group.layers)}
+        return sorted({where[layer] for layer in layers})
+
     def windows(self) -> tuple:
         """Plain data for the KV layout: (window size, chunked) of each group after the first."""
         return tuple((g.window.size, g.window.chunked) if g.window else (0, False) for g in self.groups[1:])

@@ -26,30 +26,36 @@ from xlserve.engine.scheduler import Scheduler, SchedulerOutput
 from xlserve.hashing import BlockHash, block_hashes
 from xlserve.loader.model_loader import LoadedModel, load_model
 from xlserve.loader.tokenizer import prompt_token_ids
-from xlserve.parallel.ranks import TensorParallelRanks, agree
+from xlserve.parallel.pipeline_parallel import balanced_stages
+from xlserve.parallel.ranks import WorkerRanks, agree
 from xlserve.parallel.tensor_parallel import TensorParallel
-from xlserve.planner.memory_plan import pool_bytes_per_token
 from xlserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
 def pool_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
-    """The KV pool's block count, the same on every tensor-parallel rank: each holds its share
-    of the KV heads (so --kv-cache-memory GiB per rank hold that many times more tokens), or
-    all of a shared entry (MLA's latent)."""
-    spec = loaded.arch.kv_cache_spec
-    rank = TensorParallel(size=config.parallel.tensor_parallel_size).kv_cache_spec(spec)
-    per_token = pool_bytes_per_token(loaded.arch, loaded.dtype.itemsize) * rank.heads // spec.heads
-    return config.cache.total_blocks(per_token)
+    """The KV pool's block count, the same on every rank: each holds its share of the KV heads
+    (so --kv-cache-memory GiB per rank hold that many times more tokens), or all of a shared
+    entry (MLA's latent), for its pipeline stage's layer slots (the fullest stage sets the count)."""
+    p, arch = config.parallel, loaded.arch
+    rank = TensorParallel(size=p.tensor_parallel_size).kv_cache_spec(arch.kv_cache_spec)
+    slots = max(len(s) for s in stage_slots(arch, p.pipeline_parallel_size))
+    return config.cache.total_blocks(rank.bytes_per_token(slots, loaded.dtype.itemsize))
+
+
+def stage_slots(arch, stages: int) -> list[list[int]]:
+    """The KV layer slots each pipeline stage's pool holds."""
+    plan = plan_groups(arch)
+    return [plan.slots_of(layers) for layers in balanced_stages(arch, stages)]
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
-        self.ranks = None  # tensor parallel: this process is rank 0 of these
-        if config.parallel.tensor_parallel_size > 1:
-            self.ranks = TensorParallelRanks(config)
+        self.ranks = None  # tensor / pipeline parallel: this process is rank 0 of these
+        if config.parallel.world_size > 1:
+            self.ranks = WorkerRanks(config)
         try:
             self._start(config, loaded)
         except BaseException:
@@ -68,6 +74,7 @@ class LLMEngine:
         self.num_blocks = pool_blocks(config, self.loaded)
         if self.ranks is not None:
             agree(self.loaded, self.num_blocks, self.block_size)
+            self.ranks.stage_slots = stage_slots(arch, config.parallel.pipeline_parallel_size)
         self.kv_plan = plan_groups(arch)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.max_model_len,
                                    self.kv_plan.groups)
@@ -97,7 +104,7 @@ class LLMEngine:
             self.ranks.check()
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (a no-op with one); the engine is unusable after."""
+        """Stop the other ranks (a no-op with one); the engine is unusable after."""
         if self.ranks is not None:
             ranks, self.ranks = self.ranks, None
             ranks.close()

@@ -22,7 +22,8 @@ from xlserve.kernels import cpu_ops
 from xlserve.layers.attention import AttentionMetadata, PrefillChunk, additive_mask, block_table, decode_context
 from xlserve.loader.model_loader import LoadedModel
 from xlserve.models.arch import FEATURES
-from xlserve.parallel import tensor_parallel
+from xlserve.parallel import pipeline_parallel, tensor_parallel
+from xlserve.parallel.pipeline_parallel import micro_batches
 from xlserve.parallel.ranks import out_of_step
 
 
@@ -46,10 +47,11 @@ class ModelRunner:
         self.model = loaded.model
         self.device = loaded.device
         self.block_size = block_size
-        # tensor parallel, rank 0: tells the other ranks each step before running its own slice
+        # several ranks, rank 0: tells the others each step before running its own part
         self.announce = announce
-        self.tp = tensor_parallel.current()
-        arch = loaded.arch
+        self.tp, self.stage = tensor_parallel.current(), pipeline_parallel.current()
+        arch = self.arch = loaded.arch
+        self.dtype = loaded.dtype
         num_slots = num_blocks * block_size
         # one more block than the pool hands out: the scratch block that padding rows of a
         # CUDA graph write to; this rank's KV heads only
@@ -57,14 +59,15 @@ class ModelRunner:
         self.kv_plan = plan_groups(arch)
         shape = (num_slots + block_size, spec.heads, spec.dim)
         # One tensor per part and layer slot of a block (every layer, unless windowed layer
-        # groups share the slots: engine/kv_groups.py). torch.empty: pages of an untouched
-        # pool are never faulted in on the CPU.
+        # groups share the slots: engine/kv_groups.py); a pipeline stage only its layers'
+        # slots (None: another stage's). torch.empty: pages of an untouched pool are never
+        # faulted in on the CPU.
+        held = set(self.kv_plan.slots_of(self.stage.layers(arch.num_layers)))
         self.kv_caches = [tuple(torch.empty(shape, dtype=loaded.dtype, device=self.device) for _ in range(spec.parts))
-                          for _ in range(self.kv_plan.width)]
+                          if slot in held else None for slot in range(self.kv_plan.width)]
         placement = self.kv_plan.placement(arch.num_layers)
         self.model.bind_kv_cache([self.kv_caches[slot] for _, slot in placement], [g for g, _ in placement])
-        itemsize = torch.empty((), dtype=loaded.dtype).element_size()
-        self.kv_bytes = num_slots * spec.bytes_per_token(self.kv_plan.width, itemsize)
+        self.kv_bytes = num_slots * spec.bytes_per_token(len(held), loaded.dtype.itemsize)
         self.fused_shapes = cpu_ops.supports_shape(arch.num_heads, arch.num_kv_heads, arch.head_dim)
         # a model that does not say which features it uses may use all of them: no fast CPU path
         self.features = getattr(self.model, "features", FEATURES)
@@ -73,7 +76,7 @@ class ModelRunner:
         self.guided = guided
         self.matchers: dict[str, object] = {}  # request id -> grammar matcher
         self.graphs = None
-        single = self.tp.size == 1  # graphs do not capture the ranks' collectives
+        single = self.tp.size == 1 and self.stage.count == 1  # graphs do not capture the ranks' collectives
         if cuda_graphs and self.device.type == "cuda" and not self.kv_plan.windowed and single:  # group 0 only
             self.graphs = DecodeGraphs(self.model, self.device, block_size, num_blocks,
                                        max_context or arch.max_position_embeddings)
@@ -85,10 +88,10 @@ class ModelRunner:
 
     def _kernels_apply(self) -> bool:
         """Whether this step can use the CPU kernels; checked per step, as they can be
-        switched off (``cpu_ops.set_enabled``). Not under tensor parallelism: the fused layer
-        kernels hold whole layers, not slices."""
-        return (self.fused_shapes and self.tp.size == 1 and self.device.type == "cpu" and cpu_ops.kernels() is not None
-                and self.kv_caches[0][0].dtype in (torch.bfloat16, torch.float32))
+        switched off (``cpu_ops.set_enabled``). Not under tensor or pipeline parallelism: the
+        fused layer kernels hold whole layers, not slices, and the one-call decode every layer."""
+        return (self.fused_shapes and self.announce is None and self.device.type == "cpu"
+                and cpu_ops.kernels() is not None and self.dtype in (torch.bfloat16, torch.float32))
 
     def _contiguous_start(self, block_ids: list[int], tokens: int) -> int | None:
         """First slot of the first ``tokens`` positions when they lie in consecutive blocks
@@ -160,7 +163,7 @@ class ModelRunner:
             table, real, _ = decode_context(blocks, lens, int((lens - firsts).max()), self.block_size, firsts)
             meta.decode_slots = table.to(self.device)
             meta.decode_mask = additive_mask(real.view(len(decode), 1, 1, -1).to(self.device),
-                                             self.kv_caches[0][0].dtype)
+                                             self.dtype)
             meta.window_masks[window] = meta.decode_mask  # every slot listed is inside the window
         return meta
 
@@ -175,7 +178,7 @@ class ModelRunner:
         meta.decode_slots = slots.to(self.device)
         if not meta.fused_decode:  # the fused kernel reads lengths; SDPA needs the padding masked
             meta.decode_mask = additive_mask(real.view(len(decode), 1, 1, longest).to(self.device),
-                                             self.kv_caches[0][0].dtype)
+                                             self.dtype)
 
     @staticmethod
     def _ordered_slots(scheduled: list[ScheduledRequest], chunk_slots: list, meta: AttentionMetadata) -> torch.Tensor:
@@ -202,7 +205,7 @@ class ModelRunner:
             logits = self.graphs.logits([s.token_ids[0] for s in scheduled], [s.start_position for s in scheduled],
                                         [s.block_ids for s in scheduled])
             return self._sample(logits[:len(scheduled)], scheduled, path)
-        if self.tp.size > 1:  # every rank runs the forward, or none can go on
+        if self.announce is not None:  # every rank runs the forward, or none can go on
             with out_of_step():
                 self.announce(output, path, cpu_kernels)
                 logits, sampling = self._forward(output.scheduled, path, cpu_kernels)
@@ -214,26 +217,59 @@ class ModelRunner:
 
     @torch.inference_mode()
     def follow(self, scheduled: list[ScheduledRequest], path: DecodePath, cpu_kernels: bool) -> None:
-        """A tensor-parallel rank other than 0: rank 0's step on this rank's slice (logits
-        included, they are gathered across ranks); rank 0 samples."""
+        """A rank other than 0: rank 0's step on this rank's part (logits included where it
+        computes them: they go to rank 0, which samples)."""
         self._forward(scheduled, path, cpu_kernels)
 
     def _forward(self, scheduled: list[ScheduledRequest], path: DecodePath,
                  cpu_kernels: bool) -> tuple[torch.Tensor | None, list[ScheduledRequest]]:
         """The step's forward; the logits of the rows that sample (None: none does)."""
+        if self.stage.count > 1:
+            return self._forward_stages(scheduled, path, cpu_kernels)
+        hidden, sampling, rows = self._run_layers(scheduled, path, cpu_kernels)
+        if not sampling:
+            return None, []
+        return self.model.compute_logits(hidden[rows]), sampling
+
+    def _run_layers(self, scheduled: list[ScheduledRequest], path: DecodePath, cpu_kernels: bool,
+                    hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, list[ScheduledRequest], torch.Tensor]:
+        """This rank's layers over the chunks (from ``hidden``: the previous stage's output):
+        their output, the requests that sample and their rows in it."""
         ids, positions, last_rows = [], [], []
         for s in scheduled:
             ids.extend(s.token_ids)
             positions.extend(range(s.start_position, s.start_position + len(s.token_ids)))
             last_rows.append(len(ids) - 1)
         meta = self._build_metadata(scheduled, path, cpu_kernels)
-        hidden = self.model(torch.tensor(ids, device=self.device),
-                            torch.tensor(positions, device=self.device), meta)
+        out = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta,
+                         hidden)
         sampling = [(s, r) for s, r in zip(scheduled, last_rows) if s.sample]
-        if not sampling:
+        return out, [s for s, _ in sampling], torch.tensor([r for _, r in sampling], device=self.device)
+
+    def _forward_stages(self, scheduled: list[ScheduledRequest], path: DecodePath,
+                        cpu_kernels: bool) -> tuple[torch.Tensor | None, list[ScheduledRequest]]:
+        """Pipeline parallel: the step's micro-batches through this stage, each passed on as
+        soon as it is done, so the next stage works on it while this one computes the next.
+        The last stage sends the sampling rows' logits to rank 0; rank 0 returns them."""
+        stage, sends, sampled = self.stage, [], []
+        for tag, batch in enumerate(micro_batches(scheduled, stage.count)):
+            hidden = None if stage.first else stage.receive_hidden(
+                sum(len(s.token_ids) for s in batch), self.arch.hidden_size, self.dtype, self.device, tag)
+            out, sampling, rows = self._run_layers(batch, path, cpu_kernels, hidden)
+            if not stage.last:
+                sends.append(stage.send_hidden(out, tag))
+            elif sampling:  # every rank of the last stage: the head's all-gather needs them all
+                logits = self.model.compute_logits(out[rows])
+                if stage.sends_logits:
+                    sends.append(stage.send_logits(logits, tag))
+            sampled.append(sampling)
+        for work in sends:
+            work.wait()
+        if self.announce is None or not any(sampled):  # only rank 0 samples
             return None, []
-        rows = torch.tensor([r for _, r in sampling], device=self.device)
-        return self.model.compute_logits(hidden[rows]), [s for s, _ in sampling]
+        logits = [stage.receive_logits(len(s), self.arch.vocab_size, self.device, tag)
+                  for tag, s in enumerate(sampled) if s]
+        return torch.cat(logits), [s for batch in sampled for s in batch]
 
     def _graph_fits(self, scheduled: list[ScheduledRequest]) -> bool:
         """A decode-only step that a CUDA graph can replay."""

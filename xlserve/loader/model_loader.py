@@ -19,7 +19,7 @@ from xlserve.loader.safetensors_dir import SafetensorsDir
 from xlserve.loader.tokenizer import Tokenizer, load_gguf_tokenizer, load_hf_tokenizer, load_model_tokenizer
 from xlserve.models.arch import ModelArch
 from xlserve.models.registry import build_model, model_class
-from xlserve.parallel import tensor_parallel
+from xlserve.parallel import pipeline_parallel, tensor_parallel
 
 log = logging.getLogger(__name__)
 
@@ -68,17 +68,17 @@ def load_model(config: ModelConfig) -> LoadedModel:
         tokenizer = load_hf_tokenizer(source.path, hf_config)
     arch = ModelArch.from_hf_config(hf_config)
     model_class(arch.architecture)  # refuse unsupported architectures before reading weights
+    pipeline_parallel.place(arch)  # this rank's layers: the model builds and reads only those
     with torch.device("meta"):
         model = build_model(arch).to(dtype)  # free on meta; the storage is allocated once, in dtype
         for module in model.modules():
             if getattr(module, "keeps_float32", False):  # e.g. DeepSeek's router, float32 in its reference
                 module.float()
     materialize(model, device)
-    if arch.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    tp = tensor_parallel.current()
-    # tensor parallel: each rank reads only its slices of the (memory-mapped) safetensors
-    sliced = tp.size > 1 and source.kind != "gguf"
+    model.tie_weights()
+    tp, stage = tensor_parallel.current(), pipeline_parallel.current()
+    # tensor / pipeline parallel: each rank reads only its slices of the (memory-mapped) safetensors
+    sliced = (tp.size > 1 or stage.count > 1) and source.kind != "gguf"
     weights = reader.weights(dtype, lazy=True) if sliced else reader.weights(dtype)
     bar = tqdm(weights, total=reader.num_tensors, desc=f"Loading {source.name}",
                unit="tensor", leave=False, disable=None)  # None: only on a terminal
@@ -86,7 +86,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     model.load_weights(bar)
     if sliced:
         seconds = time.perf_counter() - started
-        log.info("rank %d read %.1f MiB of the checkpoint's %.1f MiB in %.2f s (%.0f MiB/s)", tp.rank,
+        log.info("rank %d read %.1f MiB of the checkpoint's %.1f MiB in %.2f s (%.0f MiB/s)", stage.rank,
                  reader.read.bytes / 2**20, reader.file_bytes / 2**20, seconds, reader.read.bytes / 2**20 / seconds)
     model.eval()
     if config.prepack_weights and device.type == "cpu":

@@ -22,8 +22,10 @@ from xlserve.layers.moe import EXPERT_PARTS, SparseMoE
 from xlserve.layers.norm import normalized, rms_norm
 from xlserve.layers.rotary import PositionEncoding, QueryTemperature, RotaryEmbedding
 from xlserve.models.arch import ModelArch
-from xlserve.parallel import tensor_parallel
+from xlserve.parallel import pipeline_parallel, tensor_parallel
+from xlserve.parallel.pipeline_parallel import Elsewhere
 
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(\w+)\.weight")
 # every expert's projection in one tensor: Llama 4's input-major gate_up / down, GGUF's
 # output-major gate / up / down ("_exps")
@@ -155,14 +157,22 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, arch: ModelArch, qkv_bias: bool, qk_norm: bool, layer_class: type = None):
         super().__init__()
+        # pipeline parallel: this stage's layers only (the others are ``Elsewhere``), the
+        # embedding on the first stage, the final norm on the last
+        self.stage = stage = pipeline_parallel.current()
         encodings = self._position_encodings(arch)
         self.rotary = encodings[0]
-        self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size) \
+            if stage.holds_embedding(arch.tie_word_embeddings) else None
         self.embed_scale = arch.hidden_size ** 0.5 if arch.gemma_norms else None
         self.layers = nn.ModuleList((layer_class or DecoderLayer)(arch, encodings[i], qkv_bias, qk_norm, i)
-                                    for i in range(arch.num_layers))
-        self.encodings = list({id(e): e for e in encodings}.values())  # each computes its tables once a step
-        self.norm = rms_norm(arch.hidden_size, arch.rms_norm_eps, arch.gemma_norms, arch.norm_weight_float32)
+                                    if stage.holds(i) else Elsewhere() for i in range(arch.num_layers))
+        self.held = [layer for layer in self.layers if not isinstance(layer, Elsewhere)]
+        # each computes its tables once a step
+        self.encodings = list({id(encodings[i]): encodings[i] for i in range(arch.num_layers)
+                               if stage.holds(i)}.values())
+        self.norm = rms_norm(arch.hidden_size, arch.rms_norm_eps, arch.gemma_norms, arch.norm_weight_float32) \
+            if stage.last else None
         # [layers, 9] addresses for the one-call decode; bind_kv_cache resets them
         self.layer_addresses: torch.Tensor | None = None
 
@@ -178,16 +188,22 @@ class DecoderModel(nn.Module):
         return [nope if i in arch.nope_layers else local if layer_window(arch, i) else rotary
                 for i in range(arch.num_layers)]
 
-    def forward(self, input_ids, positions, meta):
-        x = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:  # Gemma: rounded to the activations' dtype first, as its reference
-            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+    def forward(self, input_ids, positions, meta, hidden=None):
+        """The final hidden states; a stage before the last returns its layers' output
+        unnormed, and a stage after the first starts from ``hidden`` (the previous stage's)."""
+        x = hidden if hidden is not None else self.embed(input_ids)
         tables = {id(e): e.tables(positions, x.dtype) for e in self.encodings}
         if meta.decode_path is DecodePath.ONE_CALL:
             return self.norm(self._decode_in_one_call(tables[id(self.rotary)], x, meta))
-        for layer in self.layers:
+        for layer in self.held:
             x = layer(tables[id(layer.self_attn.positional)], x, meta)
-        return self.norm(x)
+        return self.norm(x) if self.norm is not None else x
+
+    def embed(self, input_ids):
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:  # Gemma: rounded to the activations' dtype first, as its reference
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        return x
 
     def _decode_in_one_call(self, cos_sin, x, meta):
         """Every layer of a decode step in one C call: the per-layer kernel chained in C, so
@@ -225,27 +241,32 @@ class LlamaForCausalLM(nn.Module):
         return self.arch.features(self.qkv_bias, self.qk_norm)
 
     def one_call_fits(self, rows: int) -> bool:
-        return self.model.layers[0].one_call_fits(rows)
+        return self.model.stage.count == 1 and self.model.layers[0].one_call_fits(rows)
 
     def __init__(self, arch: ModelArch):
         super().__init__()
         self.arch = arch
         self.model = DecoderModel(arch, self.qkv_bias or arch.attention_bias, self.qk_norm, self.layer_class)
-        self.lm_head = LMHead(arch.hidden_size, arch.vocab_size)
-        if arch.tie_word_embeddings:
+        self.lm_head = LMHead(arch.hidden_size, arch.vocab_size) if self.model.stage.last else None
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.arch.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def bind_kv_cache(self, caches: list[tuple[torch.Tensor, ...]], groups: list[int] | None = None) -> None:
         """Each layer's cache tensors (``ModelArch.kv_cache_spec``: K and V, or MLA's latent)
         and KV layer group (``engine/kv_groups.py``; default: all in group 0)."""
         for i, (layer, cache) in enumerate(zip(self.model.layers, caches, strict=True)):
+            if isinstance(layer, Elsewhere):
+                continue
             layer.self_attn.kv_cache = cache
             layer.self_attn.kv_group = groups[i] if groups else 0
         self.model.layer_addresses = None  # the addresses include the caches: rebuilt on next use
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
@@ -258,9 +279,12 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if self.skips(name):
                 continue
-            tensor = self.adapt(name, tensor)
-            for theirs, ours in self.renames.items():
-                name = name.replace(theirs, ours)
+            ours = name
+            for theirs, renamed in self.renames.items():
+                ours = ours.replace(theirs, renamed)
+            if self._elsewhere(ours):  # another pipeline stage's: never read here
+                continue
+            tensor, name = self.adapt(name, tensor), ours
             target, shard = _param_name(name, self.stacked_params)
             param = params.get(target)
             if param is None:
@@ -279,6 +303,18 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(f"{t}[{s}]" if s else t for t, s in expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+    def _elsewhere(self, name: str) -> bool:
+        """A checkpoint tensor (by our name) of a module another pipeline stage holds."""
+        stage = self.model.stage
+        if stage.count == 1:
+            return False
+        layer = _LAYER.match(name)
+        if layer:
+            return not stage.holds(int(layer.group(1)))
+        if name.startswith("model.embed_tokens."):
+            return self.model.embed_tokens is None
+        return name.startswith(("model.norm.", "lm_head.")) and not stage.last
 
     def adapt(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A checkpoint tensor in our layout (identity unless the family stores it otherwise)."""

@@ -1,6 +1,7 @@
-"""A tensor-parallel rank other than 0 (started by ``TensorParallelRanks``): joins the group,
-loads its slice of the model, sizes its KV pool as rank 0 does, then runs each step's plan
-until the stop plan (or until the worker dies, which takes it down too)."""
+"""A rank other than 0 (started by ``WorkerRanks``): joins the group, loads its part of the
+model (its stage's layers, its tensor-parallel slice of them), sizes its KV pool as rank 0
+does, then runs each step's plan until the stop plan (or until the worker dies, which takes
+it down too)."""
 
 from __future__ import annotations
 
@@ -21,34 +22,34 @@ def main() -> None:
     spec = RankSpec.model_validate_json(sys.stdin.buffer.read())
     from xlserve.config import EngineConfig
     config = EngineConfig.from_kwargs(**spec.engine)
-    plan_group = join(spec.init_method, spec.rank, spec.size, config)
+    plan_group = join(spec.init_method, spec.rank, config)
     try:
         runner = _runner(config)
-        log.info("tensor-parallel rank %d of %d ready", spec.rank, spec.size)
+        log.info("rank %d of %d ready", spec.rank, spec.size)
         while (plan := receive_plan(plan_group)).kind is not PlanKind.STOP:
             if plan.kind is PlanKind.STEP:
                 runner.follow(plan.scheduled(), plan.path, plan.cpu_kernels)
             else:
-                _move_kv(plan, runner, config.cache.block_size, spec.rank)
+                _move_kv(plan, runner, config.cache.block_size)
     finally:
         leave()
 
 
-def _move_kv(plan: RankPlan, runner, block_size: int, rank: int) -> None:
-    """This rank's heads of the plan's blocks: to rank 0 (an export) or from it (an import)."""
+def _move_kv(plan: RankPlan, runner, block_size: int) -> None:
+    """This rank's part of the plan's blocks (its slots, its heads): to rank 0 (an export) or from it (an import)."""
     import torch.distributed as dist
 
-    from xlserve.engine.kv_blocks import own_heads, read_blocks, write_blocks
+    from xlserve.engine.kv_blocks import held, own_share, read_blocks, write_blocks
     from xlserve.parallel import tensor_parallel
-    group = tensor_parallel.current().group
     if plan.kind is PlanKind.KV_EXPORT:
-        dist.gather(as_bytes(read_blocks(runner.kv_caches, plan.block_ids, block_size)), None, dst=0, group=group)
+        dist.send(as_bytes(read_blocks(runner.kv_caches, plan.block_ids, block_size)), 0)
         return
-    part = runner.kv_caches[0][0]  # [slots, this rank's heads, dim]
-    full = torch.empty(len(plan.block_ids), len(runner.kv_caches), len(runner.kv_caches[0]), block_size,
-                       plan.kv_heads, part.shape[2], dtype=part.dtype, device=part.device)
-    dist.broadcast(as_bytes(full), 0, group=group)  # a view: fills ``full``
-    write_blocks(runner.kv_caches, plan.block_ids, own_heads(full, part.shape[1], rank), block_size)
+    part = held(runner.kv_caches)[0]  # the parts of one slot, each [slots, this rank's heads, dim]
+    full = torch.empty(len(plan.block_ids), len(runner.kv_caches), len(part), block_size, plan.kv_heads,
+                       part[0].shape[2], dtype=part[0].dtype, device=part[0].device)
+    dist.broadcast(as_bytes(full), 0)  # a view: fills ``full``
+    write_blocks(runner.kv_caches, plan.block_ids, own_share(full, runner.kv_caches, tensor_parallel.current().rank),
+                 block_size)
 
 
 def _runner(config):

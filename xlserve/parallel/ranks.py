@@ -1,13 +1,16 @@
-"""The processes of one tensor-parallel worker. The worker itself is rank 0: it starts the
-other ranks (``python -m xlserve.parallel.follower``), joins them in one torch.distributed
-group, and each engine step broadcasts the step's plan (``rank_plan.py``) before running
-its own slice of the forward; the others run theirs on the same plan. KV exports and
-imports (the prefill/decode hand-off) gather and scatter the other ranks' heads the same way.
+"""The processes of one tensor- and/or pipeline-parallel worker. The worker itself is rank
+0: it starts the other ranks (``python -m xlserve.parallel.follower``), joins them in one
+torch.distributed group, and each engine step broadcasts the step's plan (``rank_plan.py``)
+before running its own part of the forward; the others run theirs on the same plan. KV
+exports and imports (the prefill/decode hand-off) gather and scatter the other ranks' parts
+(heads, layer slots) the same way.
 
-Two groups: the compute group, whose collectives (all-reduce, all-gather) time out after
-``--distributed-timeout`` so a dead or hung rank fails the worker instead of hanging it;
-and the plan group, on which idle ranks wait for the next step for as long as the worker
-lives (they die with it: the kernel signals them when it exits).
+Rank ``r`` is tensor-parallel rank ``r % tp`` of pipeline stage ``r // tp``. Groups: the
+world, whose point-to-point transfers between stages and KV moves time out after
+``--distributed-timeout``; each stage's tensor-parallel group (all-reduce, all-gather), with
+the same timeout, so a dead or hung rank fails the worker instead of hanging it; and the
+plan group, on which idle ranks wait for the next step for as long as the worker lives
+(they die with it: the kernel signals them when it exits).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from xlserve.config import EngineConfig
 from xlserve.engine.errors import FATAL_ERRORS, EngineFatal, describe
 from xlserve.engine.kv_blocks import KVShards
 from xlserve.layers.attention import DecodePath
-from xlserve.parallel import tensor_parallel
+from xlserve.parallel import pipeline_parallel, tensor_parallel
 from xlserve.parallel.rank_plan import PlanKind, RankPlan, send_plan
 from xlserve.supervisor import die_with_parent, exit_cause
 
@@ -56,20 +59,28 @@ def flat_options(config: EngineConfig) -> dict:
             for name, value in dataclasses.asdict(sub).items()}
 
 
-def join(init_method: str, rank: int, size: int, config: EngineConfig):
-    """This process into the group as ``rank``; sets ``tensor_parallel.current()``. Returns the plan group."""
+def join(init_method: str, rank: int, config: EngineConfig):
+    """This process into the group as ``rank``; sets ``tensor_parallel.current()`` and
+    ``pipeline_parallel.current()`` (its layers follow once the model's are known). Returns the plan group."""
     import torch.distributed as dist
-    device, timeout = config.model.device, config.parallel.distributed_timeout
+    p, device = config.parallel, config.model.device
+    size, tp = p.world_size, p.tensor_parallel_size
     cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     else:  # the ranks share this machine's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (size // config.parallel.nnodes)))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (size // p.nnodes)))
+    timeout = datetime.timedelta(seconds=p.distributed_timeout)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=timeout))
+                            timeout=timeout)
     plan_group = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
-    tensor_parallel.set_current(tensor_parallel.TensorParallel(rank, size, dist.group.WORLD,
-                                                               config.parallel.expert_parallel))
+    # every rank creates every stage's group, in the same order (torch.distributed requires it)
+    stage_groups = [dist.new_group(list(range(s * tp, (s + 1) * tp)), timeout=timeout)
+                    for s in range(p.pipeline_parallel_size)] if p.pipeline_parallel_size > 1 else [dist.group.WORLD]
+    tensor_parallel.set_current(tensor_parallel.TensorParallel(rank % tp, tp, stage_groups[rank // tp],
+                                                               p.expert_parallel))
+    pipeline_parallel.set_current(pipeline_parallel.PipelineStage(rank // tp, p.pipeline_parallel_size, rank=rank,
+                                                                  tp_size=tp))
     return plan_group
 
 
@@ -82,24 +93,23 @@ def out_of_step():
     except FATAL_ERRORS:
         raise
     except Exception as e:
-        raise EngineFatal(f"tensor-parallel ranks are out of step: {describe(e)}") from e
+        raise EngineFatal(f"the worker's ranks are out of step: {describe(e)}") from e
 
 
 def agree(loaded, num_blocks: int, block_size: int) -> None:
     """Every rank must hold a slice of the same model with the same KV pool (other nodes start
     from their own flags): a digest of each compared once, after loading, on every rank."""
     import torch.distributed as dist
-    tp = tensor_parallel.current()
     what = f"{loaded.arch!r}|{loaded.dtype}|{num_blocks}|{block_size}"
     digest = torch.frombuffer(bytearray(hashlib.sha256(what.encode()).digest()), dtype=torch.uint8).to(
-        "cuda" if dist.get_backend(tp.group) == "nccl" else "cpu")  # NCCL moves device tensors only
-    digests = [torch.empty_like(digest) for _ in range(tp.size)]
+        "cuda" if dist.get_backend() == "nccl" else "cpu")  # NCCL moves device tensors only
+    digests = [torch.empty_like(digest) for _ in range(dist.get_world_size())]
     with out_of_step():
-        dist.all_gather(digests, digest, group=tp.group)
+        dist.all_gather(digests, digest)
     differ = [rank for rank, d in enumerate(digests) if not torch.equal(d, digests[0])]
     if differ:
-        raise ValueError(f"tensor-parallel ranks {differ} load another model, dtype or KV pool than rank 0: give "
-                         "every node the same --model, --dtype and KV-cache flags")
+        raise ValueError(f"ranks {differ} load another model, dtype or KV pool than rank 0: give every node the "
+                         "same --model, --dtype and KV-cache flags")
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -110,6 +120,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 def leave() -> None:
     import torch.distributed as dist
     tensor_parallel.set_current(tensor_parallel.TensorParallel())
+    pipeline_parallel.set_current(pipeline_parallel.PipelineStage())
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -131,7 +142,7 @@ def start_ranks(config: EngineConfig, init_method: str, ranks) -> list[subproces
     """Ranks other than 0 as processes of this machine, each told its place on its stdin."""
     procs = []
     for rank in ranks:
-        spec = RankSpec(engine=flat_options(config), rank=rank, size=config.parallel.tensor_parallel_size,
+        spec = RankSpec(engine=flat_options(config), rank=rank, size=config.parallel.world_size,
                         init_method=init_method)
         # SIGKILL when the worker dies: it reaches a stopped rank too, and a rank keeps nothing to save
         proc = subprocess.Popen([sys.executable, "-m", "xlserve.parallel.follower"], stdin=subprocess.PIPE,
@@ -139,7 +150,7 @@ def start_ranks(config: EngineConfig, init_method: str, ranks) -> list[subproces
         proc.stdin.write(spec.model_dump_json().encode())
         proc.stdin.close()
         procs.append(proc)
-    log.info("started tensor-parallel ranks %s (pids %s)", list(ranks), [p.pid for p in procs])
+    log.info("started ranks %s (pids %s)", list(ranks), [p.pid for p in procs])
     return procs
 
 
@@ -147,7 +158,7 @@ def host_node(config: EngineConfig) -> int:
     """``xlserve worker --node-rank N`` (N > 0): this node's ranks, until they exit; their first
     non-zero exit code, or 0."""
     p = config.parallel
-    per_node = p.tensor_parallel_size // p.nnodes
+    per_node = p.world_size // p.nnodes
     procs = start_ranks(config, rendezvous(config), range(p.node_rank * per_node, (p.node_rank + 1) * per_node))
     try:
         codes = [proc.wait() for proc in procs]
@@ -158,20 +169,22 @@ def host_node(config: EngineConfig) -> int:
     return next((c for c in codes if c), 0)
 
 
-class TensorParallelRanks(KVShards):
+class WorkerRanks(KVShards):
     """Rank 0's side: starts ranks 1..size-1, joins them, broadcasts plans, stops them."""
 
     def __init__(self, config: EngineConfig):
-        size = config.parallel.tensor_parallel_size
+        p = config.parallel
         self.init_method = init_method = rendezvous(config)
-        self.procs = start_ranks(config, init_method, range(1, size // config.parallel.nnodes))
+        self.procs = start_ranks(config, init_method, range(1, p.world_size // p.nnodes))
         try:
-            self.plan_group = join(init_method, 0, size, config)
+            self.plan_group = join(init_method, 0, config)
         except BaseException:
             self._kill()
             raise
         self.tp = tensor_parallel.current()
         self.rank = 0
+        self.size = p.world_size
+        self.stage_slots: list[list[int]] = []  # each stage's KV layer slots: set by the engine once it knows them
 
     def broadcast(self, plan: RankPlan) -> None:
         with out_of_step():
@@ -180,26 +193,43 @@ class TensorParallelRanks(KVShards):
     def send_step(self, output, path: DecodePath, cpu_kernels: bool) -> None:
         self.broadcast(RankPlan.of(output, path, cpu_kernels))
 
-    def gather(self, block_ids: list[int], local: torch.Tensor) -> torch.Tensor:
+    def gather(self, block_ids: list[int], local: torch.Tensor, layout) -> torch.Tensor:
+        """Each rank's slots and heads, sent to rank 0 point to point (stages hold different slots)."""
         import torch.distributed as dist
         self.broadcast(RankPlan(kind=PlanKind.KV_EXPORT, block_ids=block_ids))
-        raw = as_bytes(local)  # gloo moves bytes of any dtype
-        parts = [torch.empty_like(raw) for _ in range(self.tp.size)]
-        with out_of_step():
-            dist.gather(raw, parts, dst=0, group=self.tp.group)
-        return torch.cat([p.view(local.dtype) for p in parts], dim=-2)  # [..., heads, dim]: rank order
+        full = local.new_empty(len(block_ids), layout.num_layers, layout.parts, layout.block_size,
+                               layout.num_kv_heads, layout.head_dim)
+        heads = local.shape[-2]
+        for rank in range(self.size):
+            slots = self.stage_slots[rank // self.tp.size]
+            part = local
+            if rank:
+                part = local.new_empty(len(block_ids), len(slots), *local.shape[2:])
+                with out_of_step():
+                    dist.recv(as_bytes(part), rank)  # a view: fills ``part``
+            first = 0 if heads == layout.num_kv_heads else rank % self.tp.size * heads
+            full[:, slots, ..., first:first + heads, :] = part
+        return full
 
     def scatter(self, block_ids: list[int], full: torch.Tensor) -> None:
         import torch.distributed as dist
         self.broadcast(RankPlan(kind=PlanKind.KV_IMPORT, block_ids=block_ids, kv_heads=full.shape[-2]))
         with out_of_step():
-            dist.broadcast(as_bytes(full), 0, group=self.tp.group)
+            dist.broadcast(as_bytes(full), 0)
+
+    def check_layout(self, layout) -> None:
+        """Each slot must live on one stage. Windowed layer groups share slot numbers, so two
+        stages may both hold slot j (of different groups' layers): which one a block's slot is
+        on depends on the block's group, which the hand-off does not carry."""
+        if sum(len(s) for s in self.stage_slots) != layout.num_layers:
+            raise ValueError("the KV hand-off of a pipeline-parallel worker needs a model without windowed layers; "
+                             "serve this one with --pipeline-parallel-size 1 on the side that exchanges KV")
 
     def check(self) -> None:
         """Raise ``EngineFatal`` when another rank has exited (the worker cannot go on without it)."""
         for rank, p in enumerate(self.procs, start=1):
             if p.poll() is not None:
-                raise EngineFatal(f"tensor-parallel rank {rank} (pid {p.pid}) {exit_cause(p.returncode)}")
+                raise EngineFatal(f"rank {rank} (pid {p.pid}) {exit_cause(p.returncode)}")
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop every rank (they leave their loop on the stop plan) and leave the group."""
@@ -209,7 +239,7 @@ class TensorParallelRanks(KVShards):
                 for p in self.procs:
                     p.wait(timeout=timeout)
         except Exception as e:  # noqa: BLE001 - a rank that cannot be told is killed below
-            log.warning("tensor-parallel ranks did not stop cleanly: %s", e)
+            log.warning("ranks did not stop cleanly: %s", e)
         finally:
             self._kill()
             leave()
