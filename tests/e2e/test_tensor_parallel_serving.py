@@ -1,4 +1,4 @@
-"""Tensor-parallel workers serving the default model (9 query and 3 key/value heads: three
+"""Tensor- and pipeline-parallel workers serving the default model (9 query and 3 key/value heads: three
 ranks) answer chats exactly as one single-process worker does (float32: the sums of three
 ranks round as one matmul's do only to float32 precision, which greedy decoding does not see
 here) — under ``xlserve serve`` (prefill and decode workers of three ranks each: rank 0
@@ -52,6 +52,17 @@ def test_a_three_rank_prefill_worker_hands_off_to_a_one_rank_decode_worker(refer
         assert metric(router, "xlserve_kv_transfer_bytes_total") > 0  # the decode worker pulled the blocks
 
 
+def test_a_two_stage_prefill_worker_hands_off_to_a_one_stage_decode_worker(reference):
+    """Pipeline parallel: the default model's 30 layers in two stages answer as one process,
+    and the prefill worker's rank 0 gathers the other stage's layers into the hand-off."""
+    with running_server(*COMMON, "--role", "prefill", "--pipeline-parallel-size", "2") as prefill, \
+            running_server(*COMMON, "--role", "decode") as decode, \
+            running_server("--prefill", prefill, "--decode", decode, "--log-level", "warning",
+                           command="router") as router:
+        assert _answers(router) == reference
+        assert metric(router, "xlserve_kv_transfer_bytes_total") > 0
+
+
 def test_a_killed_rank_takes_its_worker_down_and_the_router_serves_from_the_other():
     """A rank killed while its worker idles: the worker notices between steps and exits (the
     supervisor's cue to restart it) with no rank left behind; the router answers from the
@@ -75,9 +86,11 @@ def test_a_killed_rank_takes_its_worker_down_and_the_router_serves_from_the_othe
             assert httpx.post(f"{router}/v1/chat/completions", json=chat, timeout=60).status_code == 200
 
 
-def test_two_nodes_on_loopback_serve_a_request(tiny_model_dirs, tmp_path):
-    """--nnodes 2: node 0's worker serves with rank 0, node 1's hosts rank 1; they meet at
-    --master-port and answer as one process; stopping node 0 stops node 1's rank."""
+@pytest.mark.parametrize("split", ["--tensor-parallel-size", "--pipeline-parallel-size"])
+def test_two_nodes_on_loopback_serve_a_request(tiny_model_dirs, tmp_path, split):
+    """--nnodes 2: node 0's worker serves with rank 0, node 1's hosts rank 1 (half of every
+    layer, or the second pipeline stage); they meet at --master-port and answer as one
+    process; stopping node 0 stops node 1's rank."""
     import subprocess
     import sys
 
@@ -93,7 +106,7 @@ def test_two_nodes_on_loopback_serve_a_request(tiny_model_dirs, tmp_path):
     with running_server("--model", model, *COMMON) as single:
         expected = complete(single)
     port = free_port()
-    nodes = ("--model", model, *COMMON, "--tensor-parallel-size", "2", "--nnodes", "2", "--master-port", str(port))
+    nodes = ("--model", model, *COMMON, split, "2", "--nnodes", "2", "--master-port", str(port))
     node1 = subprocess.Popen([sys.executable, "-m", "xlserve.cli", "worker", *nodes, "--node-rank", "1"])
     try:
         with running_server(*nodes) as node0:

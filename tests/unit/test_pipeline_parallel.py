@@ -8,7 +8,6 @@ a model."""
 
 import psutil
 import pytest
-import torch
 
 from tests.unit.test_tensor_parallel import DENSE, MOE, _run
 from xlserve import LLM, SamplingParams

@@ -99,15 +99,16 @@ def test_kv_hand_off_between_one_and_two_ranks(tiny_model_dirs):
             assert out.cached_tokens == 64 and out.outputs[0].token_ids == reference
 
 
-def test_a_dead_rank_stops_the_engine_within_the_timeout(tiny_model_dirs):
-    """Rank 1 killed between steps: rank 0's next collective fails, which is fatal (the
-    ranks can no longer stay in step), well before --distributed-timeout."""
+@pytest.mark.parametrize("split", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_a_dead_rank_stops_the_engine_within_the_timeout(tiny_model_dirs, split):
+    """Rank 1 (the other half of every layer, or the second stage) killed between steps:
+    rank 0's next collective or transfer fails, which is fatal (the ranks can no longer stay
+    in step), well before --distributed-timeout."""
     import signal
     import time
 
     from xlserve.engine.errors import EngineFatal
-    llm = LLM(tiny_model_dirs["llama"], dtype="float32", kv_cache_tokens=256, tensor_parallel_size=2,
-              distributed_timeout=20)
+    llm = LLM(tiny_model_dirs["llama"], dtype="float32", kv_cache_tokens=256, distributed_timeout=20, **{split: 2})
     try:
         llm.generate(list(range(10, 20)), SamplingParams(max_tokens=2, temperature=0))
         (rank,) = psutil.Process().children()
@@ -125,11 +126,12 @@ def test_a_dead_rank_stops_the_engine_within_the_timeout(tiny_model_dirs):
 def test_the_parallel_benchmark_runs(tiny_model_dirs):
     """``xlserve bench parallel`` end to end on a tiny model (its figures go to docs/benchmarks.md)."""
     from xlserve.bench.parallel_bench import ParallelBenchOptions, parallel_table, run_parallel_bench
-    results = run_parallel_bench(ParallelBenchOptions(model=tiny_model_dirs["llama"], sizes=(1, 2), repeats=1,
-                                                      dtype="float32"))
-    two = results["summary"]["2"]
-    assert results["summary"]["1"]["decode_b1"]["collective_share"] == 0
-    assert 0 < two["decode_b1"]["collective_share"] < 1 and two["load_s"]["median"] > 0
+    results = run_parallel_bench(ParallelBenchOptions(model=tiny_model_dirs["llama"], layouts=("1x1", "2x1", "1x2"),
+                                                      repeats=1, dtype="float32"))
+    assert results["summary"]["1x1"]["decode_b1"]["collective_share"] == 0
+    for layout in ("2x1", "1x2"):
+        split = results["summary"][layout]
+        assert 0 < split["decode_b1"]["collective_share"] < 1 and split["load_s"]["median"] > 0
     assert "raw read of the files" in parallel_table(results)
 
 

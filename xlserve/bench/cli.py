@@ -54,15 +54,17 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--out", default="bench-serve.json", help="where to write the JSON results")
     s.add_argument("--png", default="", help="also write a chart here")
     s.set_defaults(func=cmd_bench_serve)
-    p = kinds.add_parser("parallel", help="tensor parallelism: load and step times, one rank beside N",
-                         description="Loads the model with 1 and N tensor-parallel ranks (alternating, --repeats "
-                                     "times) and times the load against a raw read of its files, a 512-token "
-                                     "prefill and batch-1 / batch-8 decode steps, with the share of each step "
-                                     "spent in collectives.")
+    p = kinds.add_parser("parallel", help="tensor and pipeline parallelism: load and step times, one rank "
+                         "beside several",
+                         description="Loads the model in each layout (alternating, --repeats times) and times the "
+                                     "load against a raw read of its files, a 512-token prefill and batch-1 / "
+                                     "batch-8 decode steps, with the share of each step rank 0 spent in "
+                                     "collectives and transfers between stages.")
     p.add_argument("--model", default="", help="a Hugging Face directory (default: a 0.2B Llama-shaped model "
                    "with random weights, written under --workdir)")
-    p.add_argument("--sizes", default="1,2", help="comma-separated tensor-parallel sizes")
-    p.add_argument("--repeats", type=int, default=3, help="runs of every size, alternating")
+    p.add_argument("--layouts", default="1x1,2x1,1x2", help="comma-separated TPxPP layouts: tensor-parallel "
+                   "ranks per stage x pipeline stages (1x1: one process)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of every layout, alternating")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
     p.add_argument("--workdir", default=".bench-parallel", help="where the synthetic model is written")
     p.add_argument("--out", default="bench-parallel.json", help="where to write the JSON results")
@@ -139,7 +141,7 @@ def cmd_bench_serve(args) -> int:
 
 def cmd_bench_parallel(args) -> int:
     from xlserve.bench.parallel_bench import ParallelBenchOptions, parallel_table, run_parallel_bench
-    opts = ParallelBenchOptions(model=args.model, sizes=tuple(int(x) for x in args.sizes.split(",")),
+    opts = ParallelBenchOptions(model=args.model, layouts=tuple(args.layouts.split(",")),
                                 repeats=args.repeats, dtype=args.dtype, workdir=args.workdir)
     results = run_parallel_bench(opts)
     with open(args.out, "w") as f:

@@ -1,11 +1,12 @@
-"""``xlserve bench parallel``: tensor parallelism on this machine, one rank beside N.
+"""``xlserve bench parallel``: tensor and pipeline parallelism on this machine, one rank
+beside several. A layout is ``TPxPP``: tensor-parallel ranks per stage x pipeline stages.
 
 - Load: seconds from ``LLM(...)`` to ready (the other ranks started, each reading only its
   slices of the memory-mapped safetensors), beside the time one process takes to read the
   checkpoint's files whole (warm page cache, as every load after the first sees them).
 - Steps: a 512-token prefill (shorter where the context is), batch-1 and batch-8 decode —
-  seconds per engine step, and the share rank 0 spent in collectives (all-reduce,
-  all-gather; waiting for the slowest rank included).
+  seconds per engine step, and the share rank 0 spent in collectives and transfers
+  (all-reduce, all-gather, receiving from another stage; waiting for the slowest rank included).
 
 Setups alternate within each repeat; medians and the spread (min-max) are reported.
 """
@@ -27,7 +28,7 @@ SYNTHETIC = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num
 @dataclass(frozen=True)
 class ParallelBenchOptions:
     model: str = ""  # a Hugging Face directory; empty: the synthetic model, written under workdir
-    sizes: tuple[int, ...] = (1, 2)
+    layouts: tuple[str, ...] = ("1x1", "2x1", "1x2")  # TPxPP
     repeats: int = 3
     dtype: str = "auto"
     workdir: str = ".bench-parallel"
@@ -72,13 +73,24 @@ def _steps(engine, prompts: list[list[int]], max_tokens: int) -> list[tuple[floa
     return steps
 
 
-def measure(path: str, size: int, dtype: str) -> dict:
+def parse_layout(layout: str) -> tuple[int, int]:
+    """``"2x1"`` -> (tensor-parallel size, pipeline stages)."""
+    try:
+        tp, pp = (int(x) for x in layout.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"a layout is TPxPP, e.g. 2x1 or 1x2; got {layout!r}") from None
+    return tp, pp
+
+
+def measure(path: str, layout: str, dtype: str) -> dict:
     import random
 
     from xlserve import LLM
-    rng = random.Random(size)
+    tp, pp = parse_layout(layout)
+    rng = random.Random(layout)
     started = time.perf_counter()
-    llm = LLM(path, dtype=dtype, tensor_parallel_size=size, kv_cache_tokens=8192, max_num_batched_tokens=1024)
+    llm = LLM(path, dtype=dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp, kv_cache_tokens=8192,
+              max_num_batched_tokens=1024)
     load = time.perf_counter() - started
     try:
         vocab = llm.engine.loaded.arch.vocab_size
@@ -96,21 +108,22 @@ def measure(path: str, size: int, dtype: str) -> dict:
     def row(steps: list[tuple[float, float]]) -> dict:
         return {"step_s": median(s for s, _ in steps), "collective_share": sum(c for _, c in steps) / sum(
             s for s, _ in steps)}
-    return {"ranks": size, "load_s": load, "prefill_tokens": prefill_tokens, "prefill": row([prefill]),
-            "decode_b1": row(b1), "decode_b8": row(b8)}
+    return {"layout": layout, "ranks": tp * pp, "load_s": load, "prefill_tokens": prefill_tokens,
+            "prefill": row([prefill]), "decode_b1": row(b1), "decode_b8": row(b8)}
 
 
 def run_parallel_bench(opts: ParallelBenchOptions) -> dict:
     path = opts.model or synthetic_model(opts.workdir)
-    runs: dict[int, list[dict]] = {size: [] for size in opts.sizes}
+    for layout in opts.layouts:  # a typo fails before any run
+        parse_layout(layout)
+    runs: dict[str, list[dict]] = {layout: [] for layout in opts.layouts}
     for _ in range(opts.repeats):  # interleaved: a drifting machine hits every setup alike
-        for size in opts.sizes:
-            runs[size].append(measure(path, size, opts.dtype))
+        for layout in opts.layouts:
+            runs[layout].append(measure(path, layout, opts.dtype))
     return {"model": path, "cpu_count": os.cpu_count(), "raw_read_s": raw_read_seconds(path),
             "file_bytes": sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
                               if f.endswith(".safetensors")),
-            "repeats": opts.repeats, "runs": {str(k): v for k, v in runs.items()},
-            "summary": {str(size): summarize(r) for size, r in runs.items()}}
+            "repeats": opts.repeats, "runs": runs, "summary": {layout: summarize(r) for layout, r in runs.items()}}
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -124,7 +137,7 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def parallel_table(results: dict) -> str:
-    lines = [f"{'ranks':>5}  {'load s':>14}  {'prefill s':>20}  {'decode b1 ms/step':>22}  "
+    lines = [f"{'TPxPP':>5}  {'load s':>14}  {'prefill s':>20}  {'decode b1 ms/step':>22}  "
              f"{'decode b8 ms/step':>22}"]
     for size, s in results["summary"].items():
         cells = [f"{s['load_s']['median']:.2f} ({s['load_s']['min']:.2f}-{s['load_s']['max']:.2f})"]
@@ -136,5 +149,5 @@ def parallel_table(results: dict) -> str:
     tokens = next(iter(results["runs"].values()))[0]["prefill_tokens"]
     lines.append(f"prefill: one {tokens}-token prompt; raw read of the files (one process, warm cache): "
                  f"{results['raw_read_s']:.2f} s for {results['file_bytes'] / 2**20:.0f} MiB; c: share of the step "
-                 "rank 0 spent in collectives")
+                 "rank 0 spent in collectives and transfers")
     return "\n".join(lines)
