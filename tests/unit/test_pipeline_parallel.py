@@ -109,7 +109,8 @@ def test_micro_batches_cut_the_rows_evenly_and_only_the_last_piece_samples():
     assert [[(s.request_id, len(s.token_ids), s.start_position, s.sample) for s in b] for b in batches] == [
         [("a", 1, 40, True), ("b", 7, 0, False)],
         [("b", 2, 7, True), ("c", 1, 7, True), ("d", 5, 16, False)]]
-    assert micro_batches([_chunk("a", 1, 3)], 4) == [[_chunk("a", 1, 3)]]  # fewer rows than stages: fewer batches
+    decode = [_chunk(str(i), 1, 9) for i in range(8)]
+    assert micro_batches(decode, 2) == [decode]  # weight-bound: cutting would read every weight twice
     whole = micro_batches([_chunk("a", 64)], 4)
     assert [(b[0].start_position, len(b[0].token_ids), b[0].sample) for b in whole] == [
         (0, 16, False), (16, 16, False), (32, 16, False), (48, 16, True)]
