@@ -131,10 +131,16 @@ class ParallelConfig:
                        "ranks and serves nothing.",
                        commands=(WORKER,))
     node_rank: int = _opt(0, "This machine's place among --nnodes (0: the one that serves).", commands=(WORKER,))
-    master_addr: str = _opt("127.0.0.1", "Address of node 0, where the ranks meet. The rendezvous has no key: with "
-                            "several nodes, keep it on a private network.", commands=(WORKER,))
+    master_addr: str = _opt("127.0.0.1", "Address of node 0, where the ranks meet. Keep it on a private network: "
+                            "the ranks prove they hold --distributed-key-file before anything moves, but their "
+                            "traffic is not encrypted.", commands=(WORKER,))
     master_port: int = _opt(0, "Port on node 0 where the ranks meet; 0 picks a free one (one node only).",
                             commands=(WORKER,))
+    distributed_key_file: str = _opt("", "File whose first line is the key every rank proves it holds (an HMAC "
+                                     "over fresh nonces from every rank) before any weight or step moves; "
+                                     "required with --nnodes above 1 (or XLSERVE_DISTRIBUTED_KEY). One machine "
+                                     "needs none: its ranks meet through a file only this user can open.",
+                                     commands=(WORKER,))
 
     def __post_init__(self):
         if not 1 <= self.tensor_parallel_size <= 64:
@@ -280,7 +286,7 @@ class ServerConfig:
             raise ValueError(f"kv_pull_timeout must be in (0, 600], got {self.kv_pull_timeout}")
 
 
-def _read_key(path: str, what: str) -> str:
+def read_key(path: str, what: str) -> str:
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
@@ -294,9 +300,9 @@ def resolve_keys(server: ServerConfig, environ=os.environ) -> ServerConfig:
     """Fill the keys from their files or the environment, so none has to be on a command
     line: the API key from --api-key, --api-key-file or XLSERVE_API_KEY; the internal key
     from --internal-api-key-file or XLSERVE_INTERNAL_API_KEY."""
-    api = server.api_key or (_read_key(server.api_key_file, "API key") if server.api_key_file else "") \
+    api = server.api_key or (read_key(server.api_key_file, "API key") if server.api_key_file else "") \
         or environ.get("XLSERVE_API_KEY", "")
-    internal = server.internal_api_key or (_read_key(server.internal_api_key_file, "internal key")
+    internal = server.internal_api_key or (read_key(server.internal_api_key_file, "internal key")
                                            if server.internal_api_key_file else "") \
         or environ.get("XLSERVE_INTERNAL_API_KEY", "")
     return replace(server, api_key=api, internal_api_key=internal)

@@ -5,6 +5,8 @@ here) — under ``xlserve serve`` (prefill and decode workers of three ranks eac
 gathers every rank's KV heads into the hand-off, the other worker's rank 0 scatters them),
 and with a three-rank prefill worker handing off to a one-rank decode worker."""
 
+import os
+
 import psutil
 import pytest
 from openai import OpenAI
@@ -105,8 +107,10 @@ def test_two_nodes_on_loopback_serve_a_request(tiny_model_dirs, tmp_path, split)
                                          temperature=0, extra_body={"ignore_eos": True}).choices[0].text
     with running_server("--model", model, *COMMON) as single:
         expected = complete(single)
-    port = free_port()
-    nodes = ("--model", model, *COMMON, split, "2", "--nnodes", "2", "--master-port", str(port))
+    port, key = free_port(), tmp_path / "distributed.key"
+    key.write_text("a shared secret of the two nodes\n")
+    nodes = ("--model", model, *COMMON, split, "2", "--nnodes", "2", "--master-port", str(port),
+             "--distributed-key-file", str(key))
     node1 = subprocess.Popen([sys.executable, "-m", "xlserve.cli", "worker", *nodes, "--node-rank", "1"])
     try:
         with running_server(*nodes) as node0:
@@ -124,9 +128,10 @@ def test_nodes_that_disagree_on_the_model_or_pool_refuse_to_start(tiny_model_dir
     import sys
 
     from tests.e2e.server_process import free_port
-    port = free_port()
+    port, key = free_port(), tmp_path / "distributed.key"
+    key.write_text("a shared secret of the two nodes\n")
     nodes = ("--model", tiny_model_dirs["llama"], *COMMON, "--tensor-parallel-size", "2", "--nnodes", "2",
-             "--master-port", str(port))
+             "--master-port", str(port), "--distributed-key-file", str(key))
     node1 = subprocess.Popen([sys.executable, "-m", "xlserve.cli", "worker", *nodes, "--node-rank", "1",
                               "--kv-cache-tokens", "4096"], stderr=subprocess.PIPE, text=True)
     node0 = subprocess.Popen([sys.executable, "-m", "xlserve.cli", "worker", *nodes, "--port", str(free_port())],
@@ -136,5 +141,35 @@ def test_nodes_that_disagree_on_the_model_or_pool_refuse_to_start(tiny_model_dir
         assert "load another model, dtype or KV pool than rank 0" in node0.stderr.read()
     finally:
         for proc in (node0, node1):
+            if proc.poll() is None:
+                proc.kill()
+
+
+def test_a_node_without_the_key_cannot_take_a_rank(tiny_model_dirs, tmp_path):
+    """Several nodes meet over the network: a worker without a key is refused before it
+    starts a rank, and a process that reaches --master-port with another key is refused by
+    every rank (the HMAC handshake), so neither side starts."""
+    import subprocess
+    import sys
+
+    from tests.e2e.server_process import free_port
+    port, ours, theirs = free_port(), tmp_path / "ours.key", tmp_path / "theirs.key"
+    ours.write_text("the worker's key\n")
+    theirs.write_text("a guess\n")
+    nodes = ("--model", tiny_model_dirs["llama"], *COMMON, "--pipeline-parallel-size", "2", "--nnodes", "2",
+             "--master-port", str(port))
+    keyless = subprocess.run([sys.executable, "-m", "xlserve.cli", "worker", *nodes], capture_output=True, text=True,
+                             timeout=60, env={k: v for k, v in os.environ.items() if k != "XLSERVE_DISTRIBUTED_KEY"})
+    assert keyless.returncode != 0 and "--distributed-key-file" in keyless.stderr
+    impostor = subprocess.Popen([sys.executable, "-m", "xlserve.cli", "worker", *nodes, "--node-rank", "1",
+                                 "--distributed-key-file", str(theirs)], stderr=subprocess.PIPE, text=True)
+    node0 = subprocess.Popen([sys.executable, "-m", "xlserve.cli", "worker", *nodes, "--port", str(free_port()),
+                              "--distributed-key-file", str(ours)], stderr=subprocess.PIPE, text=True)
+    try:
+        assert node0.wait(timeout=60) != 0 and impostor.wait(timeout=60) != 0
+        assert "did not prove they hold the distributed key" in node0.stderr.read()
+        assert "did not prove they hold the distributed key" in impostor.stderr.read()
+    finally:
+        for proc in (node0, impostor):
             if proc.poll() is None:
                 proc.kill()

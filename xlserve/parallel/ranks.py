@@ -20,6 +20,7 @@ import dataclasses
 import datetime
 import functools
 import hashlib
+import hmac
 import logging
 import os
 import shutil
@@ -73,6 +74,9 @@ def join(init_method: str, rank: int, config: EngineConfig):
     timeout = datetime.timedelta(seconds=p.distributed_timeout)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=size,
                             timeout=timeout)
+    key = distributed_key(config)
+    if key:
+        authenticate(key.encode())
     plan_group = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
     # every rank creates every stage's group, in the same order (torch.distributed requires it)
     stage_groups = [dist.new_group(list(range(s * tp, (s + 1) * tp)), timeout=timeout)
@@ -101,15 +105,55 @@ def agree(loaded, num_blocks: int, block_size: int) -> None:
     from their own flags): a digest of each compared once, after loading, on every rank."""
     import torch.distributed as dist
     what = f"{loaded.arch!r}|{loaded.dtype}|{num_blocks}|{block_size}"
-    digest = torch.frombuffer(bytearray(hashlib.sha256(what.encode()).digest()), dtype=torch.uint8).to(
-        "cuda" if dist.get_backend() == "nccl" else "cpu")  # NCCL moves device tensors only
-    digests = [torch.empty_like(digest) for _ in range(dist.get_world_size())]
     with out_of_step():
-        dist.all_gather(digests, digest)
-    differ = [rank for rank, d in enumerate(digests) if not torch.equal(d, digests[0])]
+        digests = _all_gather_bytes(hashlib.sha256(what.encode()).digest(), dist.get_world_size())
+    differ = [rank for rank, d in enumerate(digests) if d != digests[0]]
     if differ:
         raise ValueError(f"ranks {differ} load another model, dtype or KV pool than rank 0: give every node the "
                          "same --model, --dtype and KV-cache flags")
+
+
+def distributed_key(config: EngineConfig, environ=os.environ) -> str:
+    """The key the ranks prove they hold: from --distributed-key-file or XLSERVE_DISTRIBUTED_KEY
+    (never a command line); required when ranks meet over the network (several nodes)."""
+    from xlserve.config import read_key
+    p = config.parallel
+    key = read_key(p.distributed_key_file, "distributed key") if p.distributed_key_file else \
+        environ.get("XLSERVE_DISTRIBUTED_KEY", "")
+    if p.nnodes > 1 and not key:
+        raise ValueError("ranks on several nodes meet over the network: give every node the same "
+                         "--distributed-key-file (or XLSERVE_DISTRIBUTED_KEY)")
+    return key
+
+
+def authenticate(key: bytes) -> None:
+    """Every rank proves it holds ``key`` before anything else moves: each contributes a fresh
+    nonce, and every rank checks each rank's HMAC-SHA256 over all the nonces and its rank. A
+    process that reached --master-port without the key cannot take a rank's place (the
+    worker refuses to start), and a recorded handshake does not replay (the nonces are new)."""
+    import torch.distributed as dist
+    size, rank = dist.get_world_size(), dist.get_rank()
+    with out_of_step():
+        transcript = b"".join(_all_gather_bytes(os.urandom(32), size))
+
+    def tag(r: int) -> bytes:
+        return hmac.new(key, transcript + r.to_bytes(4, "big"), hashlib.sha256).digest()
+    with out_of_step():
+        tags = _all_gather_bytes(tag(rank), size)
+    impostors = [r for r, t in enumerate(tags) if not hmac.compare_digest(t, tag(r))]
+    if impostors:
+        raise ValueError(f"ranks {impostors} did not prove they hold the distributed key: give every node the "
+                         "same --distributed-key-file, and keep --master-port on a private network")
+
+
+def _all_gather_bytes(data: bytes, size: int) -> list[bytes]:
+    """Every rank's ``data`` (the same length on each), in rank order."""
+    import torch.distributed as dist
+    mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(
+        "cuda" if dist.get_backend() == "nccl" else "cpu")  # NCCL moves device tensors only
+    parts = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(parts, mine)
+    return [p.cpu().numpy().tobytes() for p in parts]
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -131,6 +175,7 @@ def rendezvous(config: EngineConfig) -> str:
     loopback interface."""
     p = config.parallel
     if p.nnodes > 1 or p.master_port:
+        distributed_key(config)  # refused before any rank starts when it is missing
         return f"tcp://{p.master_addr}:{p.master_port}"
     loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
     if loopback:  # inherited by the ranks this process starts
@@ -180,6 +225,7 @@ class WorkerRanks(KVShards):
             self.plan_group = join(init_method, 0, config)
         except BaseException:
             self._kill()
+            leave()
             raise
         self.tp = tensor_parallel.current()
         self.rank = 0
