@@ -21,12 +21,13 @@ from xlserve.config import (
     ParallelConfig,
     SchedulerConfig,
     ServerConfig,
+    SpeculativeConfig,
     SupervisorConfig,
     resolve_keys,
 )
 
 ENGINE_GROUPS = ((ModelConfig, "model"), (CacheConfig, "KV cache"), (SchedulerConfig, "scheduler"),
-                 (ParallelConfig, "model parallelism"))
+                 (ParallelConfig, "model parallelism"), (SpeculativeConfig, "speculative decoding"))
 
 
 def _server_config(args) -> ServerConfig:

@@ -165,19 +165,42 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+SPECULATIVE_METHODS = ("none", "ngram")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    speculative: str = _opt("none", "Speculative decoding: a proposer guesses the next tokens of a running "
+                            "request and one forward pass checks them all, keeping the ones the model would "
+                            "have produced (the output is exactly the model's). 'ngram': the tokens that "
+                            "followed the latest match of the request's last few tokens in its own prompt and "
+                            "output. Requests with guided decoding or penalties are not speculated.",
+                            choices=SPECULATIVE_METHODS)
+    num_speculative_tokens: int = _opt(0, "Most tokens proposed per request and step; 0: adaptive, each request "
+                                       "from its recent acceptance (1 to 8).")
+
+    def __post_init__(self):
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}; got {self.speculative!r}")
+        if not 0 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in 0..16 (0: adaptive), "
+                             f"got {self.num_speculative_tokens}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
         """Build from flat keyword arguments (``LLM(model=..., block_size=...)``)."""
         parts = {}
         for name, sub in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
-                          ("parallel", ParallelConfig)):
+                          ("parallel", ParallelConfig), ("speculative", SpeculativeConfig)):
             names = set(sub.__dataclass_fields__)
             parts[name] = sub(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
         if kwargs:

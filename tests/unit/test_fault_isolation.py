@@ -178,5 +178,5 @@ def test_a_row_of_non_finite_logits_fails_only_its_request(llm):
     scheduled = [ScheduledRequest(f"r{i}", [5], 3, [0], True, SamplingParams(temperature=t), 1, 0)
                  for i, t in enumerate((0.0, 0.0, 0.8))]
     out = llm.engine.runner._sample(rows, scheduled)
-    assert out.sampled == {"r0": int(rows[0].argmax())}
+    assert out.sampled == {"r0": [int(rows[0].argmax())]}
     assert set(out.errors) == {"r1", "r2"} and "non-finite logits" in out.errors["r1"]

@@ -11,6 +11,7 @@ import collections
 import hashlib
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from xlserve.config import EngineConfig
@@ -30,6 +31,7 @@ from xlserve.parallel.pipeline_parallel import balanced_stages
 from xlserve.parallel.ranks import WorkerRanks, agree
 from xlserve.parallel.tensor_parallel import TensorParallel
 from xlserve.sampling_params import SamplingParams
+from xlserve.speculative.proposer import DraftLength, make_proposer
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,19 @@ def stage_slots(arch, stages: int) -> list[list[int]]:
     """The KV layer slots each pipeline stage's pool holds."""
     plan = plan_groups(arch)
     return [plan.slots_of(layers) for layers in balanced_stages(arch, stages)]
+
+
+@dataclass
+class SpeculationStats:
+    """Proposed and accepted tokens, and how many of each step's proposals were accepted."""
+    proposed: int = 0
+    accepted: int = 0
+    lengths: collections.Counter = field(default_factory=collections.Counter)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.proposed += proposed
+        self.accepted += accepted
+        self.lengths[accepted] += 1
 
 
 class LLMEngine:
@@ -91,6 +106,9 @@ class LLMEngine:
         self.kv.attach(self.runner.kv_caches, KVLayout(
             self.kv_plan.width, self.block_size, spec.heads, spec.dim, DTYPE_NAMES[self.loaded.dtype],
             self.extra_key.hex(), spec.parts, self.kv_plan.windows()), self.ranks)
+        self.proposer = make_proposer(config.speculative.speculative)
+        self.draft_lengths: dict[str, DraftLength] = {}
+        self.spec = SpeculationStats()
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else set()
         self._detokenizers: dict[str, Detokenizer | None] = {}
         self.num_steps = 0
@@ -186,18 +204,52 @@ class LLMEngine:
         if runner_out.decode_path is not None:
             self.steps_by_path[runner_out.decode_path] += 1
         outputs += [out for rid, why in runner_out.errors.items() if (out := self._fail(rid, why))]
+        self._record_speculation(sched_out, runner_out)
         advanced = self.scheduler.update(sched_out, runner_out.sampled, runner_out.logprobs)
         self.num_steps += 1
-        for req in advanced:
+        for req, count in advanced:
             try:
-                new_text = self._detokenize(req)
+                new_text, count = self._detokenize(req, count)
             except FATAL_ERRORS:
                 raise
             except Exception as e:  # noqa: BLE001 - a tokenizer fault is this request's alone
                 outputs.append(self._fail(req.request_id, f"detokenizing failed: {describe(e)}"))
                 continue
-            outputs.append(self._output(req, new_text, req.output_token_ids[-1:]))
+            outputs.append(self._output(req, new_text, req.output_token_ids[-count:]))
+        self._propose()
         return outputs
+
+    # -- speculative decoding ------------------------------------------------------
+    def _propose(self) -> None:
+        """Proposals for the running requests whose known tokens are all computed but the
+        last (they decode): checked in the next step. Guided decoding and penalties depend
+        on each token before the next, so those requests are not speculated."""
+        if self.proposer is None:
+            return
+        for req in self.scheduler.running:
+            params = req.params
+            if req.num_computed_tokens != req.num_tokens - 1 or params.guided is not None or params.has_penalties:
+                continue
+            length = self.draft_lengths.setdefault(req.request_id,
+                                                   DraftLength(self.config.speculative.num_speculative_tokens))
+            room = min(length.next(), params.max_tokens - req.num_output_tokens - 1,
+                       self.max_model_len - req.num_tokens - 1)
+            if req.pause_after is not None:
+                room = min(room, req.pause_after - req.num_output_tokens - 1)
+            req.spec_token_ids = self.proposer.propose(req.request_id, req.all_token_ids, room) if room > 0 else []
+
+    def _record_speculation(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> None:
+        """Each checked proposal's fate (for adaptive lengths and the metrics); forgets ended requests."""
+        for s in sched_out.scheduled:
+            if s.num_proposed and s.request_id in runner_out.sampled:
+                accepted = len(runner_out.sampled[s.request_id]) - 1
+                self.spec.record(s.num_proposed, accepted)
+                if (length := self.draft_lengths.get(s.request_id)) is not None:
+                    length.record(s.num_proposed, accepted)
+        if self.proposer is not None:
+            for request_id in sched_out.finished_request_ids:
+                self.proposer.forget(request_id)
+                self.draft_lengths.pop(request_id, None)
 
     def _execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
         """Run the step; if the batch fails, run each request alone to find the ones that
@@ -245,15 +297,26 @@ class LLMEngine:
         self.num_failed_requests += 1
         return self._output(req, "", [])
 
-    def _detokenize(self, req: Request) -> str:
+    def _detokenize(self, req: Request, count: int) -> tuple[str, int]:
+        """The text of the request's ``count`` new tokens, one at a time; a stop string ends the
+        answer at its token (later ones of the step are dropped). Returns the text and how
+        many tokens stay."""
         detok = self._detokenizers.get(req.request_id)
         if detok is None:
-            return ""
-        # A paused request's answer goes on elsewhere: what is held back stays held back.
-        text = detok.add(req.output_token_ids[-1], final=req.is_finished and req.finish_reason != FinishReason.PAUSED)
-        if detok.stopped and not req.is_finished:
-            self.scheduler.finish(req.request_id, FinishReason.STOP)
-        return text
+            return "", count
+        first = req.num_output_tokens - count
+        text = ""
+        for i in range(count):
+            last = i == count - 1
+            # A paused request's answer goes on elsewhere: what is held back stays held back.
+            text += detok.add(req.output_token_ids[first + i],
+                              final=last and req.is_finished and req.finish_reason != FinishReason.PAUSED)
+            if detok.stopped:
+                req.drop_output_after(first + i + 1)
+                if not req.is_finished:
+                    self.scheduler.finish(req.request_id, FinishReason.STOP)
+                return text, i + 1
+        return text, count
 
     def _output(self, req: Request, new_text: str, new_ids: list[int]) -> RequestOutput:
         detok = self._detokenizers.get(req.request_id)
@@ -291,4 +354,8 @@ class LLMEngine:
             "kv_pins": self.kv.num_pins,
             "num_steps": self.num_steps,
             "num_failed_requests": self.num_failed_requests,
+            "spec_method": self.config.speculative.speculative,
+            "spec_proposed_tokens": self.spec.proposed,
+            "spec_accepted_tokens": self.spec.accepted,
+            "spec_acceptance_lengths": dict(self.spec.lengths),
         }

@@ -25,12 +25,14 @@ from xlserve.models.arch import FEATURES
 from xlserve.parallel import pipeline_parallel, tensor_parallel
 from xlserve.parallel.pipeline_parallel import micro_batches
 from xlserve.parallel.ranks import out_of_step
+from xlserve.speculative.verifier import verify
 
 
 @dataclass(frozen=True)
 class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, dict] = field(default_factory=dict)
+    # request id -> the tokens it emits: one, or under speculation the accepted proposals and one more
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[dict]] = field(default_factory=dict)  # one per emitted token
     errors: dict[str, str] = field(default_factory=dict)  # request id -> why it cannot go on
     decode_path: DecodePath | None = None  # the path the step's forward took
 
@@ -244,7 +246,9 @@ class ModelRunner:
         out = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta,
                          hidden)
         sampling = [(s, r) for s, r in zip(scheduled, last_rows) if s.sample]
-        return out, [s for s, _ in sampling], torch.tensor([r for _, r in sampling], device=self.device)
+        # a request checking k proposals samples from its last k + 1 rows
+        rows = [row for s, last in sampling for row in range(last - s.num_proposed, last + 1)]
+        return out, [s for s, _ in sampling], torch.tensor(rows, device=self.device)
 
     def _forward_stages(self, scheduled: list[ScheduledRequest], path: DecodePath,
                         cpu_kernels: bool) -> tuple[torch.Tensor | None, list[ScheduledRequest]]:
@@ -267,7 +271,7 @@ class ModelRunner:
             work.wait()
         if self.announce is None or not any(sampled):  # only rank 0 samples
             return None, []
-        logits = [stage.receive_logits(len(s), self.arch.vocab_size, self.device, tag)
+        logits = [stage.receive_logits(sum(1 + r.num_proposed for r in s), self.arch.vocab_size, self.device, tag)
                   for tag, s in enumerate(sampled) if s]
         return torch.cat(logits), [s for batch in sampled for s in batch]
 
@@ -278,26 +282,45 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest],
                 path: DecodePath | None = None) -> RunnerOutput:
-        """One token per row; a row that fails ends only its own request (``errors``)."""
+        """Each request's tokens from its rows (one, or one more than its proposals); a row
+        that fails ends only its own request (``errors``)."""
         out = RunnerOutput(decode_path=path)
         top = logits.max(-1)  # first maximum, like argmax; 2x faster on CPU rows
         greedy = top.indices.tolist()
         # max propagates NaN and +inf, so this costs no extra pass over the vocabulary
         finite = torch.isfinite(top.values).tolist()
-        for i, s in enumerate(requests):
+        first = 0
+        for s in requests:
+            rows = range(first, first + 1 + s.num_proposed)
+            first = rows.stop
             try:
-                if not finite[i]:
+                if not all(finite[i] for i in rows):
                     raise RequestError("the model produced non-finite logits for this request")
-                token = self._sample_row(logits[i], s, greedy[i])
+                tokens = self._sample_rows(logits[rows.start:rows.stop], s, greedy[rows.start:rows.stop])
             except FATAL_ERRORS:
                 raise
             except Exception as e:  # noqa: BLE001 - attributed to this request alone
                 out.errors[s.request_id] = describe(e)
                 continue
-            out.sampled[s.request_id] = token
+            out.sampled[s.request_id] = tokens
             if s.params.logprobs is not None:
-                out.logprobs[s.request_id] = self.sampler.logprobs(logits[i], token, s.params.logprobs)
+                out.logprobs[s.request_id] = [self.sampler.logprobs(logits[i], token, s.params.logprobs)
+                                              for i, token in zip(rows, tokens)]
         return out
+
+    def _sample_rows(self, rows: torch.Tensor, s: ScheduledRequest, greedy: list[int]) -> list[int]:
+        """One token, or the proposals the rows confirm and the model's next (``verify``)."""
+        if not s.num_proposed:
+            return [self._sample_row(rows[0], s, greedy[0])]
+        proposed = s.token_ids[-s.num_proposed:]
+        if s.params.greedy and not s.params.logit_bias:  # the argmaxes are at hand
+            kept = next((i for i, (p, g) in enumerate(zip(proposed, greedy)) if p != g), len(proposed))
+            return proposed[:kept] + [greedy[kept]]
+        if s.params.logit_bias:
+            ids, values = zip(*s.params.logit_bias)
+            rows = rows.index_add(1, torch.tensor(ids, device=rows.device),
+                                  torch.tensor(values, dtype=rows.dtype, device=rows.device).expand(len(rows), -1))
+        return verify(rows, proposed, s.params, lambda i: self._generator(s, i), self.sampler)
 
     def _sample_row(self, row: torch.Tensor, s: ScheduledRequest, greedy: int) -> int:
         matcher, bias = None, s.params.logit_bias
@@ -330,16 +353,17 @@ class ModelRunner:
                 raise ValueError(f"the resumed output token {token} is not allowed by the {params.guided.kind} "
                                  f"constraint")
 
-    def _generator(self, s: ScheduledRequest) -> torch.Generator:
-        """The generator for this draw, seeded from (request seed, output position): a
-        draw depends on neither the batch nor the worker, so a seeded answer is the same
-        alone, batched, preempted, or split over prefill and decode workers."""
+    def _generator(self, s: ScheduledRequest, offset: int = 0) -> torch.Generator:
+        """The generator for this draw, seeded from (request seed, output position; ``offset``:
+        the token's place among those the step emits): a draw depends on neither the batch
+        nor the worker, so a seeded answer is the same alone, batched, preempted, or split
+        over prefill and decode workers."""
         entry = self.generators.get(s.request_id)
         if entry is None:
             base = s.seed if s.seed is not None else int(torch.randint(0, 2**62, (1,)))
             entry = self.generators[s.request_id] = (base, torch.Generator())
         base, gen = entry
-        gen.manual_seed(_mix(base, s.output_index))
+        gen.manual_seed(_mix(base, s.output_index + offset))
         return gen
 
 

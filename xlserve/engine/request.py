@@ -74,6 +74,7 @@ class Request:
         self.first_token_time: float | None = None
         self.num_preemptions = 0
         self.output_logprobs: list[dict] = []
+        self.spec_token_ids: list[int] = []  # proposed next tokens, checked in the next step
         self.update_block_hashes()
 
     @property
@@ -101,6 +102,16 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
         self.update_block_hashes()
+
+    def drop_output_after(self, count: int) -> None:
+        """Keep only the first ``count`` output tokens (a stop string ended the answer inside a
+        step's run of accepted tokens: what followed it was never the answer)."""
+        extra = self.num_output_tokens - count
+        if extra > 0:
+            del self.output_token_ids[count:], self.all_token_ids[-extra:]
+            if self.output_logprobs:  # one per token of the step when they are asked for
+                del self.output_logprobs[-extra:]
+            del self.block_hashes[len(self.all_token_ids) // self.block_size:]
 
     def check_stop(self, max_model_len: int) -> bool:
         """Token-level stop conditions; stop strings are checked by the detokenizer."""

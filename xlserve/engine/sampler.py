@@ -63,12 +63,21 @@ class Sampler:
             row = apply_penalties(row.clone(), params, prompt_ids or [], output_ids or [])
         if params.greedy:
             return greedy_token(row)
+        probs = self.probabilities(row, params)
+        if probs is None:
+            return greedy_token(row)  # the defined fallback when the parameters overflow the math
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+    @staticmethod
+    def probabilities(row: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:
+        """The distribution a sampled token is drawn from (on the CPU, where the draws are);
+        None when the parameters overflow the math."""
         probs = filter_logits(row, params).softmax(-1)
         if probs.device.type != "cpu":
             probs = probs.cpu()
         if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0.0:
-            return greedy_token(row)  # the defined fallback when the parameters overflow the math
-        return int(torch.multinomial(probs, 1, generator=generator))
+            return None
+        return probs
 
     @staticmethod
     def logprobs(logits_row: torch.Tensor, token_id: int, num_top: int) -> dict:

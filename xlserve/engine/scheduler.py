@@ -32,6 +32,7 @@ class ScheduledRequest:
     prompt_token_ids: list[int] | None = None  # only when penalties need the history
     output_token_ids: list[int] | None = None
     window_block_ids: tuple[list[int], ...] = ()  # windowed groups' tables (-1: freed, outside the window)
+    num_proposed: int = 0  # speculative decoding: the last this many of token_ids are proposals to check
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, n):
+            # proposals ride along when the known tokens fit and budget is left
+            proposed = req.spec_token_ids[:budget - n] if n == req.num_tokens - req.num_computed_tokens else []
+            if proposed and not self.kv.allocate_slots(req, n + len(proposed)):
+                proposed = []  # no room for a guess: nobody is preempted for one
+            while not proposed and not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -97,8 +102,8 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 break
-            scheduled.append(self._scheduled(req, n))
-            budget -= n
+            scheduled.append(self._scheduled(req, n, proposed))
+            budget -= n + len(proposed)
             i += 1
         return preempted
 
@@ -119,43 +124,51 @@ class Scheduler:
             scheduled.append(self._scheduled(req, n))
             budget -= n
 
-    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+    def _scheduled(self, req: Request, n: int, proposed: list[int] = ()) -> ScheduledRequest:
         start = req.num_computed_tokens
         penalties = req.params.has_penalties
         tables = self.kv.block_ids(req.request_id)
         return ScheduledRequest(
-            request_id=req.request_id, token_ids=req.all_token_ids[start:start + n],
+            request_id=req.request_id, token_ids=req.all_token_ids[start:start + n] + list(proposed),
             start_position=start, block_ids=tables[0], window_block_ids=tuple(tables[1:]),
             sample=start + n == req.num_tokens, params=req.params, seed=req.params.seed,
             output_index=req.num_output_tokens,
             prompt_token_ids=req.prompt_token_ids if penalties else None,
-            output_token_ids=list(req.output_token_ids) if penalties else None)
+            output_token_ids=list(req.output_token_ids) if penalties else None, num_proposed=len(proposed))
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        req.spec_token_ids = []
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int],
-               logprobs: dict[str, dict]) -> list[Request]:
-        """Advance the scheduled requests; returns those that produced a token."""
+    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]],
+               logprobs: dict[str, list[dict]]) -> list[tuple[Request, int]]:
+        """Advance the scheduled requests; returns those that produced tokens, with how many.
+        A request that checked proposals keeps the KV of those accepted (one fewer than the
+        tokens it emits); a rejected proposal's slot is computed again next step."""
         advanced = []
         for s in output.scheduled:
             req = self.requests.get(s.request_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += len(s.token_ids)
+            req.spec_token_ids = []
             if not s.sample:
+                req.num_computed_tokens += len(s.token_ids)
                 continue
-            req.append_token(sampled[s.request_id])
-            if s.request_id in logprobs:
-                req.output_logprobs.append(logprobs[s.request_id])
-            advanced.append(req)
-            if req.check_stop(self.max_model_len):
-                self.finish(req.request_id, req.finish_reason)
+            tokens = sampled[s.request_id]
+            req.num_computed_tokens += len(s.token_ids) - s.num_proposed + len(tokens) - 1
+            for i, token in enumerate(tokens, start=1):
+                req.append_token(token)
+                if s.request_id in logprobs:
+                    req.output_logprobs.append(logprobs[s.request_id][i - 1])
+                if req.check_stop(self.max_model_len):  # the tokens after a stop are dropped
+                    self.finish(req.request_id, req.finish_reason)
+                    break
+            advanced.append((req, i))
         return advanced
 
     def finish(self, request_id: str, reason: FinishReason) -> Request | None:

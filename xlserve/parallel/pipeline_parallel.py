@@ -150,6 +150,7 @@ def micro_batches(scheduled: list[ScheduledRequest], count: int) -> list[list[Sc
     so stage ``s`` works on one while stage ``s + 1`` works on the one before. A chunk of
     several tokens may be cut: its later piece reads the earlier piece's KV as the next chunk
     of a chunked prefill does (each stage runs the pieces in order); only the last piece samples.
+    A chunk that checks proposals is not cut: each of its proposals' rows needs logits.
 
     A decode-only step stays whole: its cost is reading the weights, which every piece would
     do again (measured with ``xlserve bench parallel``, 2 stages of the 0.2B model on 2 cores:
@@ -161,11 +162,11 @@ def micro_batches(scheduled: list[ScheduledRequest], count: int) -> list[list[Sc
     for s in scheduled:
         ids, start = list(s.token_ids), s.start_position
         while ids:
-            take = min(len(ids), target - filled)
+            take = len(ids) if s.num_proposed else min(len(ids), target - filled)
             piece, ids = ids[:take], ids[take:]
             batch.append(dataclasses.replace(s, token_ids=piece, start_position=start, sample=s.sample and not ids))
             start, filled = start + take, filled + take
-            if filled == target:
+            if filled >= target:
                 batches.append(batch)
                 batch, filled = [], 0
     if batch:

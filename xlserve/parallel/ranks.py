@@ -56,7 +56,7 @@ class RankSpec(BaseModel):
 
 def flat_options(config: EngineConfig) -> dict:
     """``EngineConfig.from_kwargs`` rebuilds ``config`` from these."""
-    return {name: value for sub in (config.model, config.cache, config.scheduler, config.parallel)
+    return {name: value for sub in (config.model, config.cache, config.scheduler, config.parallel, config.speculative)
             for name, value in dataclasses.asdict(sub).items()}
 
 

@@ -14,7 +14,7 @@ from typing import Callable
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 prometheus_client.disable_created_metrics()  # one series per counter, not two
@@ -22,6 +22,7 @@ prometheus_client.disable_created_metrics()  # one series per counter, not two
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60, 120)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.2, 0.5, 1, 2)
 GAUGE, COUNTER = "gauge", "counter"
+ACCEPTANCE_BUCKETS = 17  # 0..16 accepted proposals: --num-speculative-tokens is at most 16
 
 # (engine stats key, metric name, help, kind); "kv_usage" is derived from the block counts.
 ENGINE_METRICS = (
@@ -65,6 +66,33 @@ class EngineCollector(Collector):
                 if stats:
                     family.add_metric([who] if self.label else [], _value(stats, key))
             yield family
+        yield from self._speculation(sources)
+
+    def _speculation(self, sources: dict[str, dict]):
+        """Proposed and accepted tokens by proposer, and a histogram of how many of a step's
+        proposals were accepted (0: the model's token replaced the first)."""
+        labels = ([self.label] if self.label else []) + ["proposer"]
+        proposed = CounterMetricFamily("xlserve_spec_decode_proposed_tokens", "Tokens proposed by speculative "
+                                       "decoding and checked", labels=labels)
+        accepted = CounterMetricFamily("xlserve_spec_decode_accepted_tokens", "Proposed tokens the model "
+                                       "confirmed", labels=labels)
+        lengths = HistogramMetricFamily("xlserve_spec_decode_acceptance_length", "Proposals accepted per "
+                                        "request and step that checked some", labels=labels)
+        for who, stats in sources.items():
+            method = (stats or {}).get("spec_method", "none")
+            if method == "none":
+                continue
+            values = ([who] if self.label else []) + [method]
+            proposed.add_metric(values, stats["spec_proposed_tokens"])
+            accepted.add_metric(values, stats["spec_accepted_tokens"])
+            steps = {int(k): v for k, v in stats["spec_acceptance_lengths"].items()}  # JSON keys are strings
+            buckets, total = [], 0
+            for length in range(ACCEPTANCE_BUCKETS):
+                total += steps.get(length, 0)
+                buckets.append((str(length), total))
+            lengths.add_metric(values, buckets + [("+Inf", sum(steps.values()))],
+                               sum_value=stats["spec_accepted_tokens"])
+        yield from (proposed, accepted, lengths)
 
 
 class WorkerMetrics:

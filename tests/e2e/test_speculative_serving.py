@@ -1,0 +1,56 @@
+"""Speculative decoding in the served product (the default model, greedy): a worker and a
+prefill/decode pair with ``--speculative ngram`` answer exactly as a plain worker, streamed
+tool calls included (a step that emits several tokens streams them as one delta), and
+/metrics counts the proposed and accepted tokens."""
+
+import json
+
+import pytest
+from openai import OpenAI
+
+from tests.e2e.server_process import metric, running_server
+from tests.e2e.test_server import WEATHER_Q, WEATHER_TOOL
+
+COMMON = ("--dtype", "float32", "--log-level", "warning")
+CHATS = [[{"role": "user", "content": "Repeat exactly: red, green, blue, red, green, blue, red, green, blue"}],
+         [{"role": "user", "content": "Write a haiku about the sea."}]]
+
+
+def _answers(url: str) -> list:
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    out = [client.chat.completions.create(model=model, messages=m, max_tokens=40, temperature=0)
+           .choices[0].message.content for m in CHATS]
+    call = dict(model=model, messages=WEATHER_Q, tools=[WEATHER_TOOL], tool_choice="auto", max_tokens=60,
+                temperature=0)
+    whole = client.chat.completions.create(**call).choices[0].message
+    arguments, names = "", []
+    for chunk in client.chat.completions.create(**call, stream=True):
+        for d in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            names += [d.function.name] if d.function.name else []
+            arguments += d.function.arguments or ""
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in whole.tool_calls or []]
+    assert names == [name for name, _ in calls]  # streamed as they were parsed whole
+    assert (json.loads(arguments) if arguments else None) == (calls[0][1] if calls else None)
+    return out + [whole.content, calls]
+
+
+@pytest.fixture(scope="module")
+def reference() -> list:
+    with running_server(*COMMON) as plain:
+        return _answers(plain)
+
+
+def test_a_speculating_worker_answers_as_a_plain_one(reference):
+    with running_server(*COMMON, "--speculative", "ngram") as url:
+        assert _answers(url) == reference
+        assert metric(url, "xlserve_spec_decode_accepted_tokens_total") > 0
+        proposed = metric(url, "xlserve_spec_decode_proposed_tokens_total")
+        assert proposed >= metric(url, "xlserve_spec_decode_accepted_tokens_total")
+        assert metric(url, "xlserve_spec_decode_acceptance_length_count") > 0
+
+
+def test_a_speculating_decode_worker_answers_as_a_plain_worker(reference):
+    """The decode worker rebuilds what the n-gram proposer needs from the handed-off tokens."""
+    with running_server(*COMMON, "--speculative", "ngram", command="serve") as url:
+        assert _answers(url) == reference

@@ -1,0 +1,128 @@
+"""Speculative decoding: the output is the model's, with or without proposals.
+
+Greedy tokens are identical with and without the n-gram proposer (alone, batched, chunked,
+with prefix hits, with a stop string inside a run of accepted tokens, with logprobs), the
+proposals are really checked and accepted, no block is left behind, and the accept rule
+draws each token from exactly the model's distribution (chi-square over 20,000 draws)."""
+
+import math
+
+import pytest
+import torch
+
+from xlserve import LLM, SamplingParams
+from xlserve.engine.sampler import Sampler
+from xlserve.speculative.ngram import NgramProposer
+from xlserve.speculative.proposer import DraftLength
+from xlserve.speculative.verifier import verify
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    phrase = torch.randint(3, 320, (12,), generator=gen).tolist()
+    # repeated phrases: what agents' contexts look like, and what the proposer finds
+    return [phrase * 4 + torch.randint(3, 320, (n,), generator=gen).tolist() + phrase[:5] for n in (3, 11, 25)]
+
+
+def _generate(path: str, **options):
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0)
+    with LLM(path, dtype="float32", kv_cache_tokens=2048, max_num_batched_tokens=48, **options) as llm:
+        first = llm.generate(_prompts(), params)
+        again = llm.generate(_prompts()[:1], params)  # a prefix hit
+        assert llm.engine.kv.num_used_blocks == 0  # nothing held after rejections
+        return first + again, llm.engine.stats()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3", "gemma3"])
+@pytest.mark.parametrize("k", [0, 3])
+def test_greedy_tokens_are_the_same_with_the_ngram_proposer(tiny_model_dirs, arch, k):
+    """Also with sliding windows (gemma3) and latent attention (deepseek_v3); k=0: adaptive lengths."""
+    plain, _ = _generate(tiny_model_dirs[arch])
+    spec, stats = _generate(tiny_model_dirs[arch], speculative="ngram", num_speculative_tokens=k)
+    for a, b in zip(plain, spec, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [x["token_id"] for x in a.outputs[0].logprobs] == [x["token_id"] for x in b.outputs[0].logprobs]
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert abs(x["logprob"] - y["logprob"]) <= 1e-4
+    assert stats["spec_proposed_tokens"] > 0
+    assert stats["spec_accepted_tokens"] > 0
+    assert sum(stats["spec_acceptance_lengths"].values()) > 0
+
+
+def test_a_stop_string_inside_a_run_of_accepted_tokens_ends_the_answer_there():
+    """The default model asked to repeat a list: the stop string falls inside a step's run
+    of accepted tokens, and the answer ends where it ends without proposals."""
+    prompt = "Repeat exactly: red, green, blue, red, green, blue, red, green, blue, red, green, blue"
+    stop = SamplingParams(max_tokens=16, temperature=0, stop=["blue"])
+    runs = {}
+    for method in ("none", "ngram"):
+        with LLM("default", dtype="float32", speculative=method, num_speculative_tokens=6) as llm:
+            if method == "none":
+                text = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0))[0].outputs[0].text
+            out = llm.generate(prompt, stop)[0].outputs[0]
+            runs[method] = (out.text, out.token_ids, out.finish_reason)
+            stats = llm.engine.stats()
+    assert "blue" in text and runs["none"][0] == text[:text.index("blue")]
+    assert runs["ngram"] == runs["none"]
+    assert stats["spec_accepted_tokens"] > 0
+
+
+def test_seeded_sampling_with_proposals_is_reproducible(tiny_model_dirs):
+    params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=5, ignore_eos=True)
+    outs = []
+    for _ in range(2):
+        with LLM(tiny_model_dirs["llama"], dtype="float32", kv_cache_tokens=2048, speculative="ngram") as llm:
+            outs.append([o.outputs[0].token_ids for o in llm.generate(_prompts(), params)])
+    assert outs[0] == outs[1]
+
+
+def _chi_square_quantile(df: int, z: float = 3.09) -> float:
+    """The 99.9% point of chi-square with ``df`` degrees of freedom (Wilson-Hilferty)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_the_accept_rule_draws_from_the_models_distribution():
+    """With temperature 1 and top-p: the first token's law is row 0's whatever is proposed,
+    and the second's, given the first was the proposal, is row 1's."""
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(3, 12, generator=gen) * 1.5
+    params = SamplingParams(temperature=1.0, top_p=0.95)
+    sampler = Sampler()
+    p0, p1 = sampler.probabilities(rows[0], params), sampler.probabilities(rows[1], params)
+    proposed = [int(p0.argsort()[-2]), int(p1.argmax())]  # the second likeliest: rejected often
+    firsts, seconds = torch.zeros(12), torch.zeros(12)
+    draws = 20000
+    for i in range(draws):
+        g = torch.Generator()
+        tokens = verify(rows, proposed, params, lambda j, g=g, i=i: g.manual_seed(i * 8 + j), sampler)
+        firsts[tokens[0]] += 1
+        if tokens[0] == proposed[0]:
+            seconds[tokens[1]] += 1
+    for counts, probs in ((firsts, p0), (seconds, p1)):
+        expected = probs * counts.sum()
+        kept = expected > 5
+        statistic = float(((counts[kept] - expected[kept]) ** 2 / expected[kept]).sum())
+        assert counts[~kept].sum() <= 5 * (~kept).sum() + 10  # (near-)impossible tokens stay rare
+        assert statistic < _chi_square_quantile(int(kept.sum()) - 1)
+
+
+def test_ngram_proposes_what_followed_the_latest_match():
+    proposer = NgramProposer()
+    tokens = [1, 2, 3, 4, 9, 9, 1, 2, 3, 4, 7, 8, 5, 1, 2, 3, 4]
+    assert proposer.propose("a", tokens, 3) == [7, 8, 5]  # the latest earlier "1 2 3 4", not the first
+    assert proposer.propose("a", tokens + [7], 2) == [8, 5]  # the index grew with the new token
+    assert proposer.propose("b", [5, 6, 7], 4) == []
+    proposer.forget("a")
+    assert "a" not in proposer.indexes
+
+
+def test_adaptive_lengths_follow_acceptance():
+    length = DraftLength()
+    first = length.next()
+    for _ in range(6):
+        length.record(length.next(), length.next())  # every proposal kept: longer ones
+    assert length.next() > first and length.next() <= DraftLength.MAX
+    for _ in range(6):
+        length.record(length.next(), 0)
+    assert length.next() == 1
+    assert DraftLength(fixed=4).next() == 4

@@ -1,0 +1,60 @@
+"""Proposers for speculative decoding: each guesses a running request's next tokens from
+what it has seen, and the engine checks the guesses in the next step's forward pass
+(``speculative/verifier.py``), keeping the ones the model would have produced.
+
+A proposer runs on the engine thread between steps, so it must be cheap next to a step
+(its cost is in ``xlserve bench``'s figures). Registered by name (``--speculative``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+class Proposer(ABC):
+    """Invariants: ``propose`` returns at most ``k`` token ids, each one the proposer saw in
+    some request's tokens (so always in the vocabulary); it never changes ``tokens``. State
+    kept per request is dropped by ``forget``."""
+
+    name: str
+
+    @abstractmethod
+    def propose(self, request_id: str, tokens: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens to follow ``tokens`` (the request's prompt and output so far)."""
+
+    @abstractmethod
+    def forget(self, request_id: str) -> None:
+        """The request ended (or moved): drop what was kept for it."""
+
+
+PROPOSERS = {
+    "ngram": ("xlserve.speculative.ngram", "NgramProposer"),
+}
+
+
+def make_proposer(name: str) -> Proposer | None:
+    """The proposer registered as ``name``; None for "none"."""
+    if name == "none":
+        return None
+    module, cls = PROPOSERS[name]
+    return getattr(importlib.import_module(module), cls)()
+
+
+@dataclass
+class DraftLength:
+    """How many tokens to propose for one request next: fixed (``--num-speculative-tokens``),
+    or adaptive — one more than the recent mean of accepted drafts, so a request whose
+    guesses keep landing gets longer ones and one whose guesses miss costs little."""
+    fixed: int = 0
+    mean_accepted: float = 2.0  # a start that proposes 3: below, a miss is cheap; above, a hit pays
+    MAX = 8
+    DECAY = 0.5  # weight of the latest step: acceptance shifts within a tool call's few tokens
+
+    def next(self) -> int:
+        return self.fixed or max(1, min(self.MAX, round(self.mean_accepted) + 1))
+
+    def record(self, proposed: int, accepted: int) -> None:
+        if proposed:
+            self.mean_accepted += self.DECAY * (accepted - self.mean_accepted)

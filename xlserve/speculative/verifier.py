@@ -1,0 +1,60 @@
+"""Checking proposed tokens against the model (speculative decoding's accept rule).
+
+A request that carried k proposed tokens gets k + 1 rows of logits from one forward pass:
+row i is the model's distribution after the request's tokens and the first i proposals.
+Walking the rows in order, a proposal is kept when the model would have produced it;
+the first one it would not have is replaced by a token drawn from the model, and the rest
+are dropped; when all are kept, the last row gives one more token. So a step emits 1 to
+k + 1 tokens, each distributed exactly as without speculation:
+
+- greedy: a proposal is kept when it is the row's argmax;
+- sampled: our proposers give one token with certainty (q is a point mass), so the
+  standard rule min(1, p/q) keeps it with probability p(proposal); a rejected position
+  draws from p with the proposal removed and renormalized — the normalized residual
+  max(0, p - q).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from xlserve.engine.sampler import Sampler, greedy_token
+from xlserve.sampling_params import SamplingParams
+
+
+def verify(rows: torch.Tensor, proposed: list[int], params: SamplingParams,
+           generator: Callable[[int], torch.Generator], sampler: Sampler) -> list[int]:
+    """The tokens a step emits: the kept proposals, then the model's own token.
+    ``rows``: [len(proposed) + 1, vocab] float32 logits; ``generator(i)``: the draws of the
+    request's i-th token of this step (seeded by its output position)."""
+    out = []
+    for i, token in enumerate(proposed):
+        row = rows[i]
+        if params.greedy:
+            best = greedy_token(row)
+            if best != token:
+                return out + [best]
+        else:
+            probs = sampler.probabilities(row, params)
+            if probs is None:  # not finite: the defined greedy fallback, as without speculation
+                best = greedy_token(row)
+                if best != token:
+                    return out + [best]
+            else:
+                gen = generator(i)
+                if not float(torch.rand((), generator=gen)) < float(probs[token]):
+                    return out + [_residual(probs, token, gen, row)]
+        out.append(token)
+    last = len(proposed)
+    return out + [sampler.sample_row(rows[last], params, generator(last), None, None)]
+
+
+def _residual(probs: torch.Tensor, rejected: int, gen: torch.Generator, row: torch.Tensor) -> int:
+    """A draw from ``probs`` without ``rejected``, renormalized."""
+    rest = probs.clone()
+    rest[rejected] = 0.0
+    if not float(rest.sum()) > 0.0:  # p(rejected) rounded to 1 yet the draw missed it: nothing else is allowed
+        return greedy_token(row)
+    return int(torch.multinomial(rest, 1, generator=gen))
