@@ -174,7 +174,7 @@ class SpeculativeConfig:
                             "request and one forward pass checks them all, keeping the ones the model would "
                             "have produced (the output is exactly the model's). 'ngram': the tokens that "
                             "followed the latest match of the request's last few tokens in its own prompt and "
-                            "output. Requests with guided decoding or penalties are not speculated.",
+                            "output.",
                             choices=SPECULATIVE_METHODS)
     num_speculative_tokens: int = _opt(0, "Most tokens proposed per request and step; 0: adaptive, each request "
                                        "from its recent acceptance (1 to 8).")

@@ -81,10 +81,10 @@ def _poison_forward(model, poison: int):
     """Test hook: the model raises inside any step whose batch holds ``poison``."""
     forward = model.forward
 
-    def guarded(input_ids, positions, meta):
+    def guarded(input_ids, positions, meta, hidden=None):
         if bool((input_ids == poison).any()):
             raise RuntimeError("injected fault")
-        return forward(input_ids, positions, meta)
+        return forward(input_ids, positions, meta, hidden)
     model.forward = guarded
     return lambda: setattr(model, "forward", forward)
 

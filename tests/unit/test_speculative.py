@@ -5,6 +5,7 @@ with prefix hits, with a stop string inside a run of accepted tokens, with logpr
 proposals are really checked and accepted, no block is left behind, and the accept rule
 draws each token from exactly the model's distribution (chi-square over 20,000 draws)."""
 
+import json
 import math
 
 import pytest
@@ -49,6 +50,20 @@ def test_greedy_tokens_are_the_same_with_the_ngram_proposer(tiny_model_dirs, arc
     assert sum(stats["spec_acceptance_lengths"].values()) > 0
 
 
+@pytest.mark.parametrize("extra", [dict(frequency_penalty=0.05, presence_penalty=0.05, repetition_penalty=1.02),
+                                   dict(logit_bias={20: 3.0, 40: -100.0})])
+def test_penalties_and_bias_see_the_tokens_before_each_proposal(tiny_model_dirs, extra):
+    """Penalties count the step's accepted proposals before the next row (greedy: the same tokens)."""
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, **extra)
+    outs = {}
+    for method in ("none", "ngram"):
+        with LLM(tiny_model_dirs["llama"], dtype="float32", kv_cache_tokens=2048, speculative=method) as llm:
+            outs[method] = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params)]
+            proposed = llm.engine.stats()["spec_proposed_tokens"]
+    assert outs["ngram"] == outs["none"]
+    assert method == "ngram" and proposed > 0
+
+
 def test_a_stop_string_inside_a_run_of_accepted_tokens_ends_the_answer_there():
     """The default model asked to repeat a list: the stop string falls inside a step's run
     of accepted tokens, and the answer ends where it ends without proposals."""
@@ -63,6 +78,25 @@ def test_a_stop_string_inside_a_run_of_accepted_tokens_ends_the_answer_there():
             runs[method] = (out.text, out.token_ids, out.finish_reason)
             stats = llm.engine.stats()
     assert "blue" in text and runs["none"][0] == text[:text.index("blue")]
+    assert runs["ngram"] == runs["none"]
+    assert stats["spec_accepted_tokens"] > 0
+
+
+def test_a_json_schema_answer_is_the_same_with_proposals():
+    """Guided decoding: the grammar masks each row after the proposals before it; a proposal
+    it forbids is rejected."""
+    schema = {"type": "array", "minItems": 3, "items": {"type": "object", "required": ["name", "color"],
+              "properties": {"name": {"type": "string"}, "color": {"type": "string"}}}}
+    prompt = "Fruits and their colors as JSON: apple is red, banana is yellow, lime is green, plum is purple.\n"
+    from xlserve.sampling_params import GuidedSpec
+    params = SamplingParams(max_tokens=60, temperature=0, guided=GuidedSpec("json_schema", json.dumps(schema)))
+    runs = {}
+    for method in ("none", "ngram"):
+        with LLM("default", dtype="float32", speculative=method) as llm:
+            out = llm.generate(prompt, params)[0].outputs[0]
+            runs[method] = (out.text, out.token_ids)
+            stats = llm.engine.stats()
+    assert len(json.loads(runs["none"][0])) >= 3  # the keys repeat: proposals land
     assert runs["ngram"] == runs["none"]
     assert stats["spec_accepted_tokens"] > 0
 

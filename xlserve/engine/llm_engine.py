@@ -222,13 +222,12 @@ class LLMEngine:
     # -- speculative decoding ------------------------------------------------------
     def _propose(self) -> None:
         """Proposals for the running requests whose known tokens are all computed but the
-        last (they decode): checked in the next step. Guided decoding and penalties depend
-        on each token before the next, so those requests are not speculated."""
+        last (they decode): checked in the next step."""
         if self.proposer is None:
             return
         for req in self.scheduler.running:
             params = req.params
-            if req.num_computed_tokens != req.num_tokens - 1 or params.guided is not None or params.has_penalties:
+            if req.num_computed_tokens != req.num_tokens - 1:
                 continue
             length = self.draft_lengths.setdefault(req.request_id,
                                                    DraftLength(self.config.speculative.num_speculative_tokens))

@@ -16,7 +16,7 @@ from xlserve.engine.decode_plan import DecodePath, StepShape, plan_decode
 from xlserve.engine.errors import FATAL_ERRORS, RequestError, describe
 from xlserve.engine.guided import GuidedDecoding
 from xlserve.engine.kv_groups import KVGroup, plan_groups
-from xlserve.engine.sampler import Sampler
+from xlserve.engine.sampler import Sampler, apply_penalties
 from xlserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from xlserve.kernels import cpu_ops
 from xlserve.layers.attention import AttentionMetadata, PrefillChunk, additive_mask, block_table, decode_context
@@ -310,33 +310,29 @@ class ModelRunner:
 
     def _sample_rows(self, rows: torch.Tensor, s: ScheduledRequest, greedy: list[int]) -> list[int]:
         """One token, or the proposals the rows confirm and the model's next (``verify``)."""
-        if not s.num_proposed:
-            return [self._sample_row(rows[0], s, greedy[0])]
-        proposed = s.token_ids[-s.num_proposed:]
-        if s.params.greedy and not s.params.logit_bias:  # the argmaxes are at hand
+        proposed = s.token_ids[len(s.token_ids) - s.num_proposed:]
+        params = s.params
+        if params.greedy and not params.logit_bias and not params.has_penalties and params.guided is None:
             kept = next((i for i, (p, g) in enumerate(zip(proposed, greedy)) if p != g), len(proposed))
-            return proposed[:kept] + [greedy[kept]]
-        if s.params.logit_bias:
-            ids, values = zip(*s.params.logit_bias)
-            rows = rows.index_add(1, torch.tensor(ids, device=rows.device),
-                                  torch.tensor(values, dtype=rows.dtype, device=rows.device).expand(len(rows), -1))
-        return verify(rows, proposed, s.params, lambda i: self._generator(s, i), self.sampler)
+            return proposed[:kept] + [greedy[kept]]  # the argmaxes are at hand
+        matcher = self._matcher(s) if params.guided is not None else None
+        return verify(rows, proposed, params, lambda i: self._generator(s, i), self.sampler,
+                      lambda row, before: self._prepare(row, s, matcher, before),
+                      matcher.consume_token if matcher is not None else lambda token: None)
 
-    def _sample_row(self, row: torch.Tensor, s: ScheduledRequest, greedy: int) -> int:
-        matcher, bias = None, s.params.logit_bias
-        if bias:
-            ids, values = zip(*bias)
+    def _prepare(self, row: torch.Tensor, s: ScheduledRequest, matcher, before: list[int]) -> torch.Tensor:
+        """A row as the request's sampling sees it after ``before`` (the step's tokens so far):
+        logit bias, the grammar's mask, penalties over the output with those tokens."""
+        params = s.params
+        if params.logit_bias:
+            ids, values = zip(*params.logit_bias)
             row = row.index_add(0, torch.tensor(ids, device=row.device),
                                 torch.tensor(values, dtype=row.dtype, device=row.device))
-        if s.params.guided is not None:
-            matcher = self._matcher(s)
-            row = row.masked_fill(~self.guided.allowed(matcher).to(row.device), float("-inf"))
-        if s.params.greedy and not s.params.has_penalties and matcher is None and not bias:
-            return greedy
-        token = self.sampler.sample_row(row, s.params, self._generator(s), s.prompt_token_ids, s.output_token_ids)
         if matcher is not None:
-            matcher.consume_token(token)
-        return token
+            row = row.masked_fill(~self.guided.allowed(matcher).to(row.device), float("-inf"))
+        if params.has_penalties:
+            row = apply_penalties(row.clone(), params, s.prompt_token_ids or [], (s.output_token_ids or []) + before)
+        return row
 
     def _matcher(self, s: ScheduledRequest):
         matcher = self.matchers.get(s.request_id)

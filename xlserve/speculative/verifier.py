@@ -12,6 +12,10 @@ k + 1 tokens, each distributed exactly as without speculation:
   standard rule min(1, p/q) keeps it with probability p(proposal); a rejected position
   draws from p with the proposal removed and renormalized — the normalized residual
   max(0, p - q).
+
+Each row is first prepared as the request's sampling sees it after the tokens before it
+(logit bias, penalties over the output so far, a grammar's mask: a proposal the grammar
+forbids has probability 0 and is rejected).
 """
 
 from __future__ import annotations
@@ -25,30 +29,35 @@ from xlserve.sampling_params import SamplingParams
 
 
 def verify(rows: torch.Tensor, proposed: list[int], params: SamplingParams,
-           generator: Callable[[int], torch.Generator], sampler: Sampler) -> list[int]:
+           generator: Callable[[int], torch.Generator], sampler: Sampler,
+           prepare: Callable[[torch.Tensor, list[int]], torch.Tensor] = lambda row, before: row,
+           emitted: Callable[[int], None] = lambda token: None) -> list[int]:
     """The tokens a step emits: the kept proposals, then the model's own token.
     ``rows``: [len(proposed) + 1, vocab] float32 logits; ``generator(i)``: the draws of the
-    request's i-th token of this step (seeded by its output position)."""
-    out = []
+    request's i-th token of this step (seeded by its output position); ``prepare(row,
+    before)``: the row after the step's tokens ``before``; ``emitted(token)``: called for
+    each token in order (a grammar consumes it)."""
+    out: list[int] = []
     for i, token in enumerate(proposed):
-        row = rows[i]
-        if params.greedy:
+        row = prepare(rows[i], out)
+        probs = None if params.greedy else sampler.probabilities(row, params)
+        if probs is None:  # greedy, or the defined greedy fallback when the math overflows
             best = greedy_token(row)
             if best != token:
-                return out + [best]
+                return _emit(out, best, emitted)
         else:
-            probs = sampler.probabilities(row, params)
-            if probs is None:  # not finite: the defined greedy fallback, as without speculation
-                best = greedy_token(row)
-                if best != token:
-                    return out + [best]
-            else:
-                gen = generator(i)
-                if not float(torch.rand((), generator=gen)) < float(probs[token]):
-                    return out + [_residual(probs, token, gen, row)]
-        out.append(token)
+            gen = generator(i)  # one stream per position: the test draw, then the residual's
+            if not float(torch.rand((), generator=gen)) < float(probs[token]):
+                return _emit(out, _residual(probs, token, gen, row), emitted)
+        _emit(out, token, emitted)
     last = len(proposed)
-    return out + [sampler.sample_row(rows[last], params, generator(last), None, None)]
+    return _emit(out, sampler.sample_row(prepare(rows[last], out), params, generator(last), None, None), emitted)
+
+
+def _emit(out: list[int], token: int, emitted: Callable[[int], None]) -> list[int]:
+    emitted(token)
+    out.append(token)
+    return out
 
 
 def _residual(probs: torch.Tensor, rejected: int, gen: torch.Generator, row: torch.Tensor) -> int:
