@@ -50,6 +50,15 @@ def test_greedy_tokens_are_the_same_with_the_ngram_proposer(tiny_model_dirs, arc
     assert sum(stats["spec_acceptance_lengths"].values()) > 0
 
 
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)])
+def test_proposals_are_checked_across_ranks(tiny_model_dirs, layout):
+    """The step plan carries how many proposals each chunk checks: every rank computes their rows."""
+    plain, _ = _generate(tiny_model_dirs["deepseek_v3"])
+    spec, stats = _generate(tiny_model_dirs["deepseek_v3"], speculative="ngram", **layout)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert stats["spec_accepted_tokens"] > 0
+
+
 @pytest.mark.parametrize("extra", [dict(frequency_penalty=0.05, presence_penalty=0.05, repetition_penalty=1.02),
                                    dict(logit_bias={20: 3.0, 40: -100.0})])
 def test_penalties_and_bias_see_the_tokens_before_each_proposal(tiny_model_dirs, extra):
