@@ -165,7 +165,7 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
-SPECULATIVE_METHODS = ("none", "ngram")
+SPECULATIVE_METHODS = ("none", "ngram", "suffix")
 
 
 @dataclass(frozen=True)
@@ -174,7 +174,8 @@ class SpeculativeConfig:
                             "request and one forward pass checks them all, keeping the ones the model would "
                             "have produced (the output is exactly the model's). 'ngram': the tokens that "
                             "followed the latest match of the request's last few tokens in its own prompt and "
-                            "output.",
+                            "output; 'suffix': the continuation most of the longest matches agree on, in the "
+                            "request's tokens and in earlier answers (longer proposals where they agree).",
                             choices=SPECULATIVE_METHODS)
     num_speculative_tokens: int = _opt(0, "Most tokens proposed per request and step; 0: adaptive, each request "
                                        "from its recent acceptance (1 to 8).")

@@ -34,12 +34,17 @@ def _generate(path: str, **options):
         return first + again, llm.engine.stats()
 
 
+_PLAIN: dict[str, list] = {}
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3", "gemma3"])
-@pytest.mark.parametrize("k", [0, 3])
-def test_greedy_tokens_are_the_same_with_the_ngram_proposer(tiny_model_dirs, arch, k):
+@pytest.mark.parametrize("method,k", [("ngram", 0), ("ngram", 3), ("suffix", 0)])
+def test_greedy_tokens_are_the_same_with_proposals(tiny_model_dirs, arch, method, k):
     """Also with sliding windows (gemma3) and latent attention (deepseek_v3); k=0: adaptive lengths."""
-    plain, _ = _generate(tiny_model_dirs[arch])
-    spec, stats = _generate(tiny_model_dirs[arch], speculative="ngram", num_speculative_tokens=k)
+    if arch not in _PLAIN:
+        _PLAIN[arch] = _generate(tiny_model_dirs[arch])[0]
+    plain = _PLAIN[arch]
+    spec, stats = _generate(tiny_model_dirs[arch], speculative=method, num_speculative_tokens=k)
     for a, b in zip(plain, spec, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert [x["token_id"] for x in a.outputs[0].logprobs] == [x["token_id"] for x in b.outputs[0].logprobs]
@@ -155,8 +160,22 @@ def test_ngram_proposes_what_followed_the_latest_match():
     assert proposer.propose("a", tokens, 3) == [7, 8, 5]  # the latest earlier "1 2 3 4", not the first
     assert proposer.propose("a", tokens + [7], 2) == [8, 5]  # the index grew with the new token
     assert proposer.propose("b", [5, 6, 7], 4) == []
-    proposer.forget("a")
+    proposer.forget("a", [])
     assert "a" not in proposer.indexes
+
+
+def test_suffix_follows_the_longest_matches_where_they_agree():
+    from xlserve.speculative.suffix import SuffixProposer
+    proposer = SuffixProposer()
+    envelope = [50, 51, 52, 53]  # a JSON envelope the answers repeat
+    tokens = [9, *envelope, 1, 9, *envelope, 2, 9, *envelope, 3, 9, *envelope[:3]]
+    assert proposer.propose("a", tokens, 6) == [53]  # then 1, 2 and 3: no majority, no further
+    assert proposer.propose("a", tokens + [53, 1, 9, 50], 6) == [51, 52, 53, 2, 9, 50]  # the best match leads
+    assert proposer.propose("a", [7, 8], 4) == []  # too short to match
+    proposer.forget("a", [30, 31, 32, 33, 34, 35])
+    assert "a" not in proposer.requests
+    assert proposer.propose("b", [5, 30, 31, 32], 3) == [33, 34, 35]  # an earlier answer
+    assert proposer.propose("c", [5, 33, 34, 35], 3) == []  # its end: no token crosses into the next
 
 
 def test_adaptive_lengths_follow_acceptance():

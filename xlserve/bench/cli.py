@@ -69,6 +69,19 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--workdir", default=".bench-parallel", help="where the synthetic model is written")
     p.add_argument("--out", default="bench-parallel.json", help="where to write the JSON results")
     p.set_defaults(func=cmd_bench_parallel)
+    s = kinds.add_parser("spec", help="speculative decoding: decode tok/s with each proposer beside none",
+                         description="Greedy answers to tool-call and free-text prompts through the model's chat "
+                                     "template, at batch 1 and batch 8, with each proposer and without "
+                                     "(alternating, --repeats times): decode tokens per second, the speedup, the "
+                                     "accepted proposals per checking step, and whether the answers equal none's.")
+    s.add_argument("--model", default="default", help="the model to serve (default: the shipped default model)")
+    s.add_argument("--methods", default="none,ngram", help="comma-separated --speculative values; none first")
+    s.add_argument("--repeats", type=int, default=3, help="runs of every setup, alternating")
+    s.add_argument("--max-tokens", type=int, default=64, help="tokens per answer at most")
+    s.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
+    s.add_argument("--out", default="bench-spec.json", help="where to write the JSON results")
+    s.add_argument("--png", default="", help="also write a chart here")
+    s.set_defaults(func=cmd_bench_spec)
 
 
 def cmd_bench_engine(args) -> int:
@@ -136,6 +149,21 @@ def cmd_bench_serve(args) -> int:
     if args.png:
         serve_png(rows, args.png)
         print(f"chart: {args.png}")
+    return 0
+
+
+def cmd_bench_spec(args) -> int:
+    from xlserve.bench.spec_bench import SpecBenchOptions, run_spec_bench, spec_plot, spec_table
+    methods = tuple(args.methods.split(","))
+    if methods[0] != "none":
+        raise SystemExit("--methods must start with none: the figures are ratios to it")
+    results = run_spec_bench(SpecBenchOptions(model=args.model, methods=methods, repeats=args.repeats,
+                                              max_tokens=args.max_tokens, dtype=args.dtype))
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+    if args.png:
+        spec_plot(results, args.png)
+    print(spec_table(results))
     return 0
 
 

@@ -238,17 +238,13 @@ class LLMEngine:
             req.spec_token_ids = self.proposer.propose(req.request_id, req.all_token_ids, room) if room > 0 else []
 
     def _record_speculation(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> None:
-        """Each checked proposal's fate (for adaptive lengths and the metrics); forgets ended requests."""
+        """Each checked proposal's fate (for adaptive lengths and the metrics)."""
         for s in sched_out.scheduled:
             if s.num_proposed and s.request_id in runner_out.sampled:
                 accepted = len(runner_out.sampled[s.request_id]) - 1
                 self.spec.record(s.num_proposed, accepted)
                 if (length := self.draft_lengths.get(s.request_id)) is not None:
                     length.record(s.num_proposed, accepted)
-        if self.proposer is not None:
-            for request_id in sched_out.finished_request_ids:
-                self.proposer.forget(request_id)
-                self.draft_lengths.pop(request_id, None)
 
     def _execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
         """Run the step; if the batch fails, run each request alone to find the ones that
@@ -321,6 +317,9 @@ class LLMEngine:
         detok = self._detokenizers.get(req.request_id)
         if req.is_finished:
             self._detokenizers.pop(req.request_id, None)
+            if self.proposer is not None:
+                self.proposer.forget(req.request_id, req.output_token_ids)
+                self.draft_lengths.pop(req.request_id, None)
         text = detok.text[req.num_resumed_chars:detok.emitted] if detok else ""
         finish = req.finish_reason.value if req.finish_reason else None
         completion = CompletionOutput(0, text, req.output_token_ids[req.num_resumed_tokens:], finish,

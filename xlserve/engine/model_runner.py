@@ -6,6 +6,7 @@ metadata, runs the forward, samples, and returns a ``RunnerOutput`` (plain data)
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -200,13 +201,15 @@ class ModelRunner:
             self.matchers.pop(request_id, None)
         if not output.scheduled:
             return RunnerOutput()
-        cpu_kernels = self._kernels_apply()
-        path = self.plan(output.scheduled, cpu_kernels)
+        # a fused CPU kernel may attend a row before another row of its request is written:
+        # rows that check proposals take the torch path
+        cpu_kernels = self._kernels_apply() and not any(s.num_proposed for s in output.scheduled)
+        rows = as_rows(output.scheduled)
+        path = self.plan(rows, cpu_kernels)
         if path is DecodePath.CUDA_GRAPH:
-            scheduled = output.scheduled
-            logits = self.graphs.logits([s.token_ids[0] for s in scheduled], [s.start_position for s in scheduled],
-                                        [s.block_ids for s in scheduled])
-            return self._sample(logits[:len(scheduled)], scheduled, path)
+            logits = self.graphs.logits([s.token_ids[0] for s in rows], [s.start_position for s in rows],
+                                        [s.block_ids for s in rows])
+            return self._sample(logits[:len(rows)], output.scheduled, path)
         if self.announce is not None:  # every rank runs the forward, or none can go on
             with out_of_step():
                 self.announce(output, path, cpu_kernels)
@@ -242,7 +245,7 @@ class ModelRunner:
             ids.extend(s.token_ids)
             positions.extend(range(s.start_position, s.start_position + len(s.token_ids)))
             last_rows.append(len(ids) - 1)
-        meta = self._build_metadata(scheduled, path, cpu_kernels)
+        meta = self._build_metadata(as_rows(scheduled), path, cpu_kernels)
         out = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta,
                          hidden)
         sampling = [(s, r) for s, r in zip(scheduled, last_rows) if s.sample]
@@ -361,6 +364,19 @@ class ModelRunner:
         base, gen = entry
         gen.manual_seed(_mix(base, s.output_index + offset))
         return gen
+
+
+def as_rows(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    """The step as attention sees it: a chunk that checks proposals is a decode row per token
+    (the batched decode attention, each row over the context up to itself: every row's K/V is
+    written before any row reads), the same tokens in the same order."""
+    if not any(s.num_proposed for s in scheduled):
+        return scheduled
+    rows = []
+    for s in scheduled:
+        rows += [dataclasses.replace(s, token_ids=[token], start_position=s.start_position + i, num_proposed=0)
+                 for i, token in enumerate(s.token_ids)] if s.num_proposed else [s]
+    return rows
 
 
 def _mix(seed: int, index: int) -> int:

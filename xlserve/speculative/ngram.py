@@ -35,5 +35,5 @@ class NgramProposer(Proposer):
                     return tokens[found + 1:found + 1 + k]
         return []
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, request_id: str, output: list[int]) -> None:
         self.indexes.pop(request_id, None)

@@ -25,12 +25,14 @@ class Proposer(ABC):
         """Up to ``k`` tokens to follow ``tokens`` (the request's prompt and output so far)."""
 
     @abstractmethod
-    def forget(self, request_id: str) -> None:
-        """The request ended (or moved): drop what was kept for it."""
+    def forget(self, request_id: str, output: list[int]) -> None:
+        """The request ended (or moved) with ``output``: drop what was kept for it (a
+        proposer may learn from the answer)."""
 
 
 PROPOSERS = {
     "ngram": ("xlserve.speculative.ngram", "NgramProposer"),
+    "suffix": ("xlserve.speculative.suffix", "SuffixProposer"),
 }
 
 
