@@ -188,3 +188,16 @@ def test_adaptive_lengths_follow_acceptance():
         length.record(length.next(), 0)
     assert length.next() == 1
     assert DraftLength(fixed=4).next() == 4
+
+
+def test_the_spec_benchmark_runs():
+    """``xlserve bench spec`` end to end, small (its figures go to docs/benchmarks.md)."""
+    from xlserve.bench.spec_bench import SpecBenchOptions, run_spec_bench, spec_table
+    results = run_spec_bench(SpecBenchOptions(methods=("none", "ngram"), repeats=1, max_tokens=6, batches=(1, 2),
+                                              prompts=2, dtype="float32"))
+    for workload in ("tool_calls", "free_text"):
+        for batch in ("1", "2"):
+            row = results["summary"][workload][batch]
+            assert row["none"]["speedup"] == 1.0 and row["ngram"]["tok_s"]["median"] > 0
+            assert row["ngram"]["same_answers"] and row["none"]["tokens_per_request_step"] == 1.0
+    assert "same answers" in spec_table(results)

@@ -36,15 +36,17 @@ class SpecBenchOptions:
     repeats: int = 3
     max_tokens: int = 64
     dtype: str = "auto"
+    batches: tuple[int, ...] = (1, 8)
+    prompts: int = 8  # per workload (at most 8)
 
 
-def workloads(tokenizer) -> dict[str, list[list[int]]]:
-    """Prompt token ids of each workload, eight each."""
+def workloads(tokenizer, count: int = 8) -> dict[str, list[list[int]]]:
+    """Prompt token ids of each workload, ``count`` each."""
     tools = [{"role": "system", "content": TOOL_SYSTEM}]
-    asks = (ASKS * 2)[:8]
+    asks = (ASKS * 2)[:count]
     return {"tool_calls": [tokenizer.encode_chat(tools + [{"role": "user", "content": a}], tools=TOOLS)
                            for a in asks],
-            "free_text": [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in FREE_TEXT]}
+            "free_text": [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in FREE_TEXT[:count]]}
 
 
 def decode_run(engine, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -87,13 +89,13 @@ def run_spec_bench(opts: SpecBenchOptions) -> dict:
     from xlserve import LLM
     llms = {m: LLM(opts.model, dtype=opts.dtype, speculative=m) for m in opts.methods}
     try:
-        prompts = workloads(next(iter(llms.values())).tokenizer)
+        prompts = workloads(next(iter(llms.values())).tokenizer, opts.prompts)
         for llm in llms.values():  # warm-up: first-call costs stay out of the figures
             decode_run(llm.engine, prompts["free_text"][:1], 8)
-        runs: dict = {w: {b: {m: [] for m in opts.methods} for b in ("1", "8")} for w in prompts}
+        runs: dict = {w: {str(b): {m: [] for m in opts.methods} for b in opts.batches} for w in prompts}
         for _ in range(opts.repeats):  # interleaved: a drifting machine hits every setup alike
             for workload, ids in prompts.items():
-                for batch in (1, 8):
+                for batch in opts.batches:
                     for method, llm in llms.items():
                         runs[workload][str(batch)][method].append(measure(llm.engine, ids, batch, opts.max_tokens))
     finally:
