@@ -165,7 +165,7 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
-SPECULATIVE_METHODS = ("none", "ngram", "suffix")
+SPECULATIVE_METHODS = ("none", "ngram", "suffix", "draft")
 
 
 @dataclass(frozen=True)
@@ -175,10 +175,14 @@ class SpeculativeConfig:
                             "have produced (the output is exactly the model's). 'ngram': the tokens that "
                             "followed the latest match of the request's last few tokens in its own prompt and "
                             "output; 'suffix': the continuation most of the longest matches agree on, in the "
-                            "request's tokens and in earlier answers (longer proposals where they agree).",
+                            "request's tokens and in earlier answers (longer proposals where they agree); 'draft': "
+                            "--draft-model's greedy tokens.",
                             choices=SPECULATIVE_METHODS)
     num_speculative_tokens: int = _opt(0, "Most tokens proposed per request and step; 0: adaptive, each request "
                                        "from its recent acceptance (1 to 8).")
+    draft_model: str = _opt("", "With --speculative draft: a smaller model with the target's tokenizer (a "
+                            "directory or GGUF, as --model); it keeps its own KV pool of the target's token "
+                            "capacity.")
 
     def __post_init__(self):
         if self.speculative not in SPECULATIVE_METHODS:
@@ -186,6 +190,8 @@ class SpeculativeConfig:
         if not 0 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in 0..16 (0: adaptive), "
                              f"got {self.num_speculative_tokens}")
+        if (self.speculative == "draft") != bool(self.draft_model):
+            raise ValueError("--draft-model goes with --speculative draft, and --speculative draft needs it")
 
 
 @dataclass(frozen=True)

@@ -164,6 +164,33 @@ def test_ngram_proposes_what_followed_the_latest_match():
     assert "a" not in proposer.indexes
 
 
+@pytest.mark.parametrize("target,draft", [("llama", "llama"), ("qwen2", "llama")])
+def test_a_draft_model_proposes_and_the_answer_stays_the_targets(tiny_model_dirs, target, draft):
+    """The same model as its own draft: every greedy proposal is accepted; another model with
+    the same vocabulary: some are, and the answer is still the target's."""
+    if target not in _PLAIN:
+        _PLAIN[target] = _generate(tiny_model_dirs[target])[0]
+    spec, stats = _generate(tiny_model_dirs[target], speculative="draft", draft_model=tiny_model_dirs[draft],
+                            num_speculative_tokens=3)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in _PLAIN[target]]
+    assert stats["spec_proposed_tokens"] > 0
+    if target == draft:
+        assert stats["spec_accepted_tokens"] == stats["spec_proposed_tokens"]
+
+
+def test_a_draft_model_is_checked_for_its_vocabulary(tiny_model_dirs, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.conftest import TINY_COMMON
+    other = tmp_path / "other-vocab"
+    LlamaForCausalLM(LlamaConfig(**{**TINY_COMMON, "vocab_size": 256})).save_pretrained(other)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(tiny_model_dirs["llama"], dtype="float32", kv_cache_tokens=256, speculative="draft",
+            draft_model=str(other))
+    with pytest.raises(ValueError, match="--draft-model"):
+        LLM(tiny_model_dirs["llama"], dtype="float32", kv_cache_tokens=256, speculative="draft")
+
+
 def test_suffix_follows_the_longest_matches_where_they_agree():
     from xlserve.speculative.suffix import SuffixProposer
     proposer = SuffixProposer()
@@ -201,3 +228,31 @@ def test_the_spec_benchmark_runs():
             assert row["none"]["speedup"] == 1.0 and row["ngram"]["tok_s"]["median"] > 0
             assert row["ngram"]["same_answers"] and row["none"]["tokens_per_request_step"] == 1.0
     assert "same answers" in spec_table(results)
+
+
+def test_preemptions_and_aborts_in_the_middle_of_speculation_leave_nothing(tiny_model_dirs):
+    """A pool too small for the batch preempts requests that carry proposals, and aborts land
+    between a proposal and its check: the answers stay the model's, every block comes back
+    and no pin is left."""
+    path = tiny_model_dirs["llama"]
+    small = dict(dtype="float32", kv_cache_tokens=144, block_size=4, max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    with LLM(path, **small) as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params)]
+    with LLM(path, speculative="ngram", num_speculative_tokens=4, **small) as llm:
+        engine = llm.engine
+        assert [o.outputs[0].token_ids for o in llm.generate(_prompts(), params)] == plain
+        stats = engine.stats()
+        assert stats["num_preemptions"] > 0 and stats["spec_accepted_tokens"] > 0
+        for i, prompt in enumerate(_prompts()):
+            engine.add_request(f"cut-{i}", prompt, params)
+        aborted = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            carrying = [r for r in engine.scheduler.running if r.spec_token_ids]
+            if carrying:  # abort one that holds proposals for the next step
+                engine.abort_request(carrying[0].request_id)
+                aborted += 1
+        assert aborted > 0
+        assert engine.kv.num_used_blocks == 0 and engine.kv.num_pins == 0
+        assert not engine.draft_lengths and not engine.proposer.indexes

@@ -157,6 +157,11 @@ def cmd_bench_spec(args) -> int:
     methods = tuple(args.methods.split(","))
     if methods[0] != "none":
         raise SystemExit("--methods must start with none: the figures are ratios to it")
+    if args.png:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SystemExit("--png needs matplotlib: pip install -e '.[peers]'") from None
     results = run_spec_bench(SpecBenchOptions(model=args.model, methods=methods, repeats=args.repeats,
                                               max_tokens=args.max_tokens, dtype=args.dtype))
     with open(args.out, "w") as f:

@@ -11,7 +11,9 @@ per second — the tokens emitted after each request's first one, over the time 
 step that emitted the batch's first tokens to the last step. Every setup runs the same
 prompts, the setups alternating, ``--repeats`` times (median and range); the answers of
 each proposer are checked against none's (they must be identical), and the mean accepted
-proposals per checking step and tokens per request-step are reported beside.
+proposals per checking step and tokens per request-step are reported beside. Each
+measurement starts the proposer from nothing (the suffix proposer's store of earlier
+answers is emptied): within one, earlier answers to other prompts are fair game.
 """
 
 from __future__ import annotations
@@ -78,6 +80,10 @@ def decode_run(engine, prompts: list[list[int]], max_tokens: int) -> dict:
 
 
 def measure(engine, prompts: list[list[int]], batch: int, max_tokens: int) -> dict:
+    """The prompts in batches of ``batch``, the proposer starting from nothing: answers of an
+    earlier run (the same prompts) would make the next one's a replay."""
+    if engine.proposer is not None:
+        engine.proposer.reset()
     runs = [decode_run(engine, prompts[i:i + batch], max_tokens) for i in range(0, len(prompts), batch)]
     total = {k: sum(r[k] for r in runs) for k in ("seconds", "tokens", "proposed", "accepted", "checks",
                                                    "request_steps")}

@@ -106,7 +106,7 @@ class LLMEngine:
         self.kv.attach(self.runner.kv_caches, KVLayout(
             self.kv_plan.width, self.block_size, spec.heads, spec.dim, DTYPE_NAMES[self.loaded.dtype],
             self.extra_key.hex(), spec.parts, self.kv_plan.windows()), self.ranks)
-        self.proposer = make_proposer(config.speculative.speculative)
+        self.proposer = make_proposer(config, arch.vocab_size, self.tokenizer)
         self.draft_lengths: dict[str, DraftLength] = {}
         self.spec = SpeculationStats()
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else set()
@@ -225,6 +225,7 @@ class LLMEngine:
         last (they decode): checked in the next step."""
         if self.proposer is None:
             return
+        asks, requests = [], []
         for req in self.scheduler.running:
             params = req.params
             if req.num_computed_tokens != req.num_tokens - 1:
@@ -235,7 +236,11 @@ class LLMEngine:
                        self.max_model_len - req.num_tokens - 1)
             if req.pause_after is not None:
                 room = min(room, req.pause_after - req.num_output_tokens - 1)
-            req.spec_token_ids = self.proposer.propose(req.request_id, req.all_token_ids, room) if room > 0 else []
+            if room > 0:
+                asks.append((req.request_id, req.all_token_ids, room))
+                requests.append(req)
+        for req, proposed in zip(requests, self.proposer.propose_all(asks)):
+            req.spec_token_ids = proposed
 
     def _record_speculation(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> None:
         """Each checked proposal's fate (for adaptive lengths and the metrics)."""

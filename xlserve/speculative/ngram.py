@@ -35,5 +35,8 @@ class NgramProposer(Proposer):
                     return tokens[found + 1:found + 1 + k]
         return []
 
+    def reset(self) -> None:
+        """Nothing is shared across requests."""
+
     def forget(self, request_id: str, output: list[int]) -> None:
         self.indexes.pop(request_id, None)

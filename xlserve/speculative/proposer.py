@@ -25,6 +25,15 @@ class Proposer(ABC):
         """Up to ``k`` tokens to follow ``tokens`` (the request's prompt and output so far)."""
 
     @abstractmethod
+    def reset(self) -> None:
+        """Forget what was learned across requests (a benchmark run starts from nothing)."""
+
+    def propose_all(self, asks: list[tuple[str, list[int], int]]) -> list[list[int]]:
+        """``propose`` for each (request id, tokens, k) of a step; a proposer that runs a model
+        batches them."""
+        return [self.propose(request_id, tokens, k) for request_id, tokens, k in asks]
+
+    @abstractmethod
     def forget(self, request_id: str, output: list[int]) -> None:
         """The request ended (or moved) with ``output``: drop what was kept for it (a
         proposer may learn from the answer)."""
@@ -33,15 +42,19 @@ class Proposer(ABC):
 PROPOSERS = {
     "ngram": ("xlserve.speculative.ngram", "NgramProposer"),
     "suffix": ("xlserve.speculative.suffix", "SuffixProposer"),
+    "draft": ("xlserve.speculative.draft", "DraftProposer"),
 }
 
 
-def make_proposer(name: str) -> Proposer | None:
-    """The proposer registered as ``name``; None for "none"."""
+def make_proposer(config, vocab_size: int, tokenizer=None) -> Proposer | None:
+    """The proposer ``config.speculative.speculative`` names; None for "none". A proposer that
+    needs more than tokens (a draft model) takes the engine's config and the target's vocabulary."""
+    name = config.speculative.speculative
     if name == "none":
         return None
     module, cls = PROPOSERS[name]
-    return getattr(importlib.import_module(module), cls)()
+    proposer_class = getattr(importlib.import_module(module), cls)
+    return proposer_class(config, vocab_size, tokenizer) if name == "draft" else proposer_class()
 
 
 @dataclass

@@ -89,6 +89,9 @@ class SuffixProposer(Proposer):
                     if end + len(out) < len(index.tokens) and index.tokens[end + len(out)] == token]
         return out
 
+    def reset(self) -> None:
+        self.shared, self.answers = TokenIndex(), deque()
+
     def forget(self, request_id: str, output: list[int]) -> None:
         """Drops the request's index; its answer joins the shared store (the oldest leave)."""
         self.requests.pop(request_id, None)
