@@ -1,7 +1,7 @@
 """Speculative decoding in the served product (the default model, greedy): a worker and a
-prefill/decode pair with ``--speculative ngram`` answer exactly as a plain worker, streamed
-tool calls included (a step that emits several tokens streams them as one delta), and
-/metrics counts the proposed and accepted tokens."""
+prefill/decode pair with ``--speculative`` answer exactly as a plain worker, streamed tool
+calls included (a step that emits several tokens streams them as one delta; the call's
+grammar checks each proposal), and /metrics counts the proposed and accepted tokens."""
 
 import json
 
@@ -21,7 +21,8 @@ def _answers(url: str) -> list:
     model = client.models.list().data[0].id
     out = [client.chat.completions.create(model=model, messages=m, max_tokens=40, temperature=0)
            .choices[0].message.content for m in CHATS]
-    call = dict(model=model, messages=WEATHER_Q, tools=[WEATHER_TOOL], tool_choice="auto", max_tokens=60,
+    # required: the call is grammar-constrained, and the grammar checks each proposal too
+    call = dict(model=model, messages=WEATHER_Q, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=60,
                 temperature=0)
     whole = client.chat.completions.create(**call).choices[0].message
     arguments, names = "", []
@@ -30,6 +31,7 @@ def _answers(url: str) -> list:
             names += [d.function.name] if d.function.name else []
             arguments += d.function.arguments or ""
     calls = [(c.function.name, json.loads(c.function.arguments)) for c in whole.tool_calls or []]
+    assert calls and calls[0][0] == "get_weather"
     assert names == [name for name, _ in calls]  # streamed as they were parsed whole
     assert (json.loads(arguments) if arguments else None) == (calls[0][1] if calls else None)
     return out + [whole.content, calls]
@@ -42,7 +44,7 @@ def reference() -> list:
 
 
 def test_a_speculating_worker_answers_as_a_plain_one(reference):
-    with running_server(*COMMON, "--speculative", "ngram") as url:
+    with running_server(*COMMON, "--speculative", "suffix") as url:
         assert _answers(url) == reference
         assert metric(url, "xlserve_spec_decode_accepted_tokens_total") > 0
         proposed = metric(url, "xlserve_spec_decode_proposed_tokens_total")

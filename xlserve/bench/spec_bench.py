@@ -2,8 +2,9 @@
 
 Two kinds of answers, both greedy, through the model's chat template:
 
-- tool calls: the agentic workload's asks with its four tools in the prompt, the system
-  telling the model to answer with one call (what an agent's turn asks for);
+- tool calls: the agentic workload's asks with its four tools in the prompt, answered with
+  one call as the server answers ``tool_choice: "required"`` (the model's tool-call format
+  under its grammar, which checks each proposal too): an agent's turn;
 - free text: short writing prompts.
 
 For each, batch 1 (the prompts one at a time) and batch 8 (eight at once): decode tokens
@@ -51,11 +52,18 @@ def workloads(tokenizer, count: int = 8) -> dict[str, list[list[int]]]:
             "free_text": [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in FREE_TEXT[:count]]}
 
 
-def decode_run(engine, prompts: list[list[int]], max_tokens: int) -> dict:
+def tool_call_grammar(tokenizer):
+    """The constraint of a forced call to one of the workload's tools, in the model's format."""
+    from xlserve.openai.tool_parsers import detect_tool_parser, get_tool_parser
+    parser = get_tool_parser(detect_tool_parser(tokenizer.chat_template.source), tokenizer.special_token_ids)
+    return parser.forced_call_grammar(TOOLS, None, False)
+
+
+def decode_run(engine, prompts: list[list[int]], max_tokens: int, guided=None) -> dict:
     """One batch to the end: decode seconds and tokens (after every request's first), the
     answers, the proposals' fate."""
     from xlserve.sampling_params import SamplingParams
-    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, guided=guided)
     before = (engine.spec.proposed, engine.spec.accepted, sum(engine.spec.lengths.values()))
     ids = [f"spec-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts):
@@ -79,12 +87,12 @@ def decode_run(engine, prompts: list[list[int]], max_tokens: int) -> dict:
             "accepted": accepted, "checks": checks, "request_steps": request_steps}
 
 
-def measure(engine, prompts: list[list[int]], batch: int, max_tokens: int) -> dict:
+def measure(engine, prompts: list[list[int]], batch: int, max_tokens: int, guided=None) -> dict:
     """The prompts in batches of ``batch``, the proposer starting from nothing: answers of an
     earlier run (the same prompts) would make the next one's a replay."""
     if engine.proposer is not None:
         engine.proposer.reset()
-    runs = [decode_run(engine, prompts[i:i + batch], max_tokens) for i in range(0, len(prompts), batch)]
+    runs = [decode_run(engine, prompts[i:i + batch], max_tokens, guided) for i in range(0, len(prompts), batch)]
     total = {k: sum(r[k] for r in runs) for k in ("seconds", "tokens", "proposed", "accepted", "checks",
                                                    "request_steps")}
     total["answers"] = [a for r in runs for a in r["answers"]]
@@ -95,7 +103,9 @@ def run_spec_bench(opts: SpecBenchOptions) -> dict:
     from xlserve import LLM
     llms = {m: LLM(opts.model, dtype=opts.dtype, speculative=m) for m in opts.methods}
     try:
-        prompts = workloads(next(iter(llms.values())).tokenizer, opts.prompts)
+        tokenizer = next(iter(llms.values())).tokenizer
+        prompts = workloads(tokenizer, opts.prompts)
+        guided = {"tool_calls": tool_call_grammar(tokenizer), "free_text": None}
         for llm in llms.values():  # warm-up: first-call costs stay out of the figures
             decode_run(llm.engine, prompts["free_text"][:1], 8)
         runs: dict = {w: {str(b): {m: [] for m in opts.methods} for b in opts.batches} for w in prompts}
@@ -103,7 +113,8 @@ def run_spec_bench(opts: SpecBenchOptions) -> dict:
             for workload, ids in prompts.items():
                 for batch in opts.batches:
                     for method, llm in llms.items():
-                        runs[workload][str(batch)][method].append(measure(llm.engine, ids, batch, opts.max_tokens))
+                        runs[workload][str(batch)][method].append(
+                            measure(llm.engine, ids, batch, opts.max_tokens, guided[workload]))
     finally:
         for llm in llms.values():
             llm.close()
