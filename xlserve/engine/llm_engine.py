@@ -222,7 +222,8 @@ class LLMEngine:
     # -- speculative decoding ------------------------------------------------------
     def _propose(self) -> None:
         """Proposals for the running requests whose known tokens are all computed but the
-        last (they decode): checked in the next step."""
+        last (they decode): checked in the next step. Where a grammar forces the next tokens
+        (a tool call's envelope, a schema's keys), those are the proposal."""
         if self.proposer is None:
             return
         asks, requests = [], []
@@ -236,7 +237,10 @@ class LLMEngine:
                        self.max_model_len - req.num_tokens - 1)
             if req.pause_after is not None:
                 room = min(room, req.pause_after - req.num_output_tokens - 1)
-            if room > 0:
+            forced = self.runner.forced_tokens(req.request_id) if params.guided is not None else []
+            if forced and room > 0:
+                req.spec_token_ids = forced[:room]
+            elif room > 0:
                 asks.append((req.request_id, req.all_token_ids, room))
                 requests.append(req)
         for req, proposed in zip(requests, self.proposer.propose_all(asks)):

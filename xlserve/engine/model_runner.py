@@ -343,6 +343,11 @@ class ModelRunner:
             matcher = self.matchers[s.request_id] = self.guided.matcher(s.params.guided)
         return matcher
 
+    def forced_tokens(self, request_id: str) -> list[int]:
+        """The tokens the request's grammar forces next (none before its first sampled token)."""
+        matcher = self.matchers.get(request_id)
+        return list(matcher.compute_ff_tokens()) if matcher is not None else []
+
     def resume_guided(self, request_id: str, params, tokens: tuple[int, ...]) -> None:
         """Bring a resumed request's grammar state past the output it already has."""
         matcher = self.matchers[request_id] = self.guided.matcher(params.guided)
