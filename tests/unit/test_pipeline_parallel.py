@@ -9,7 +9,7 @@ a model."""
 import psutil
 import pytest
 
-from tests.unit.test_tensor_parallel import DENSE, MOE, _run
+from tests.unit.test_tensor_parallel import DENSE, MOE, _run, hand_off_between_one_and_two
 from xlserve import LLM, SamplingParams
 from xlserve.engine.scheduler import ScheduledRequest
 from xlserve.parallel import pipeline_parallel, tensor_parallel
@@ -79,23 +79,7 @@ def test_kv_hand_off_between_one_and_two_stages(tiny_model_dirs, arch):
     """A payload carries every layer whatever the stages hold: two stages' export (rank 0
     gathers the other stage's layers) equals one process's, and either imports into the
     other layout with a prefix hit and the same tokens."""
-    import numpy as np
-    path, prompt = tiny_model_dirs[arch], list(range(20, 90))  # 70 tokens: 4 full blocks
-    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    payloads, answers = {}, {}
-    for stages in (1, 2):
-        with LLM(path, dtype="float32", kv_cache_tokens=1024, pipeline_parallel_size=stages) as llm:
-            answers[stages] = llm.generate(prompt, greedy)[0].outputs[0].token_ids
-            payloads[stages] = llm.engine.kv.export(llm.engine.prompt_block_hashes(prompt))
-    one, two, reference = payloads[1], payloads[2], answers[1]
-    assert answers[2] == reference
-    assert one.layout == two.layout and len(two.block_hashes) == 4
-    np.testing.assert_allclose(np.frombuffer(two.data, np.float32), np.frombuffer(one.data, np.float32), atol=1e-4)
-    for stages, payload in ((1, two), (2, one)):
-        with LLM(path, dtype="float32", kv_cache_tokens=1024, pipeline_parallel_size=stages) as llm:
-            assert llm.engine.kv.import_blocks(payload) == 4
-            out = llm.generate(prompt, greedy)[0]
-            assert out.cached_tokens == 64 and out.outputs[0].token_ids == reference
+    hand_off_between_one_and_two(tiny_model_dirs[arch], "pipeline_parallel_size")
 
 
 def _chunk(rid: str, tokens: int, start: int = 0, sample: bool = True) -> ScheduledRequest:

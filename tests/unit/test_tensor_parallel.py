@@ -80,12 +80,18 @@ def test_kv_hand_off_between_one_and_two_ranks(tiny_model_dirs):
     """A payload carries every KV head whatever the ranks hold: two ranks' export (rank 0
     gathers the other's heads) equals one process's, and either imports into the other
     layout (rank 0 scatters the other's heads) with a prefix hit and the same tokens."""
+    hand_off_between_one_and_two(tiny_model_dirs["llama"], "tensor_parallel_size")
+
+
+def hand_off_between_one_and_two(path: str, split: str) -> None:
+    """Export from one process and from two (``split``: the option that makes it two), compare
+    the payloads, and import each into the other layout: a prefix hit and the same tokens."""
     import numpy as np
-    path, prompt = tiny_model_dirs["llama"], list(range(20, 90))  # 70 tokens: 4 full blocks
+    prompt = list(range(20, 90))  # 70 tokens: 4 full blocks
     greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     payloads, answers = {}, {}
     for size in (1, 2):
-        with LLM(path, dtype="float32", kv_cache_tokens=1024, tensor_parallel_size=size) as llm:
+        with LLM(path, dtype="float32", kv_cache_tokens=1024, **{split: size}) as llm:
             answers[size] = llm.generate(prompt, greedy)[0].outputs[0].token_ids
             payloads[size] = llm.engine.kv.export(llm.engine.prompt_block_hashes(prompt))
     one, two, reference = payloads[1], payloads[2], answers[1]
@@ -93,7 +99,7 @@ def test_kv_hand_off_between_one_and_two_ranks(tiny_model_dirs):
     assert one.layout == two.layout and len(two.block_hashes) == 4
     np.testing.assert_allclose(np.frombuffer(two.data, np.float32), np.frombuffer(one.data, np.float32), atol=1e-4)
     for size, payload in ((1, two), (2, one)):
-        with LLM(path, dtype="float32", kv_cache_tokens=1024, tensor_parallel_size=size) as llm:
+        with LLM(path, dtype="float32", kv_cache_tokens=1024, **{split: size}) as llm:
             assert llm.engine.kv.import_blocks(payload) == 4
             out = llm.generate(prompt, greedy)[0]
             assert out.cached_tokens == 64 and out.outputs[0].token_ids == reference

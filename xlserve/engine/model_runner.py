@@ -93,7 +93,7 @@ class ModelRunner:
         """Whether this step can use the CPU kernels; checked per step, as they can be
         switched off (``cpu_ops.set_enabled``). Not under tensor or pipeline parallelism: the
         fused layer kernels hold whole layers, not slices, and the one-call decode every layer."""
-        return (self.fused_shapes and self.announce is None and self.device.type == "cpu"
+        return (self.fused_shapes and self.tp.size == 1 and self.stage.count == 1 and self.device.type == "cpu"
                 and cpu_ops.kernels() is not None and self.dtype in (torch.bfloat16, torch.float32))
 
     def _contiguous_start(self, block_ids: list[int], tokens: int) -> int | None:

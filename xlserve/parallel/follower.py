@@ -11,7 +11,8 @@ import sys
 import torch
 
 from xlserve.parallel.rank_plan import PlanKind, RankPlan, receive_plan
-from xlserve.parallel.ranks import RankSpec, agree, as_bytes, join, leave
+from xlserve.parallel.ranks import RankSpec, agree, join, leave
+from xlserve.parallel.tensor_parallel import as_bytes
 
 log = logging.getLogger("xlserve.parallel.follower")
 

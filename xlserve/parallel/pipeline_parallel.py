@@ -23,7 +23,7 @@ import torch
 
 from xlserve.engine.scheduler import ScheduledRequest
 from xlserve.models.arch import ModelArch
-from xlserve.parallel.tensor_parallel import COLLECTIVES
+from xlserve.parallel.tensor_parallel import COLLECTIVES, as_bytes
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class PipelineStage:
     def send_hidden(self, x: torch.Tensor, tag: int):
         """To the next stage without waiting (the next micro-batch computes meanwhile): wait on the result."""
         import torch.distributed as dist
-        return dist.isend(_bytes(x), self.rank + self.tp_size, tag=tag)
+        return dist.isend(as_bytes(x), self.rank + self.tp_size, tag=tag)
 
     def receive_hidden(self, tokens: int, hidden: int, dtype: torch.dtype, device, tag: int) -> torch.Tensor:
         x = torch.empty(tokens, hidden, dtype=dtype, device=device)
@@ -70,7 +70,7 @@ class PipelineStage:
 
     def send_logits(self, logits: torch.Tensor, tag: int):
         import torch.distributed as dist
-        return dist.isend(_bytes(logits), 0, tag=tag)
+        return dist.isend(as_bytes(logits), 0, tag=tag)
 
     def receive_logits(self, rows: int, vocab: int, device, tag: int) -> torch.Tensor:
         logits = torch.empty(rows, vocab, dtype=torch.float32, device=device)
@@ -78,21 +78,11 @@ class PipelineStage:
         return logits
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)  # gloo moves bytes of any dtype
-
-
 def _receive(into: torch.Tensor, source: int, tag: int) -> None:
     import torch.distributed as dist
     started = time.perf_counter()
-    dist.recv(into.view(torch.uint8), source, tag=tag)
+    dist.recv(as_bytes(into), source, tag=tag)  # a view: fills ``into``
     COLLECTIVES.add(time.perf_counter() - started)
-
-
-def stage_of(rank: int, tp_size: int, stages: list[range]) -> PipelineStage:
-    index = rank // tp_size
-    layers = stages[index]
-    return PipelineStage(index, len(stages), layers.start, layers.stop, rank, tp_size)
 
 
 def layer_costs(arch: ModelArch) -> list[float]:
@@ -128,7 +118,7 @@ def split_evenly(costs: list[float], count: int) -> list[range]:
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
-    # best[k][i]: the smallest largest sum splitting the first i costs into k runs; end[k][i]: the k-th run's start
+    # best[k][i]: the smallest largest sum splitting the first i costs into k runs; start[k][i]: the k-th run's start
     best = [[float("inf")] * (n + 1) for _ in range(count + 1)]
     start = [[0] * (n + 1) for _ in range(count + 1)]
     best[0][0] = 0.0

@@ -39,6 +39,7 @@ from xlserve.engine.kv_blocks import KVShards
 from xlserve.layers.attention import DecodePath
 from xlserve.parallel import pipeline_parallel, tensor_parallel
 from xlserve.parallel.rank_plan import PlanKind, RankPlan, send_plan
+from xlserve.parallel.tensor_parallel import as_bytes
 from xlserve.supervisor import die_with_parent, exit_cause
 
 log = logging.getLogger(__name__)
@@ -154,11 +155,6 @@ def _all_gather_bytes(data: bytes, size: int) -> list[bytes]:
     parts = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(parts, mine)
     return [p.cpu().numpy().tobytes() for p in parts]
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes (its last dimension times its item size), for collectives of any dtype."""
-    return t.contiguous().view(torch.uint8)
 
 
 def leave() -> None:

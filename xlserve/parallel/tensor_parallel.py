@@ -61,6 +61,11 @@ class TensorParallel:
         return torch.cat(parts, dim=-1)
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes (its last dimension times its item size), for collectives of any dtype."""
+    return t.contiguous().view(torch.uint8)
+
+
 @dataclass
 class CollectiveTime:
     """Seconds this process spent in collectives (waiting for the slowest rank included): the

@@ -51,7 +51,8 @@ def verify(rows: torch.Tensor, proposed: list[int], params: SamplingParams,
                 return _emit(out, _residual(probs, token, gen, row), emitted)
         _emit(out, token, emitted)
     last = len(proposed)
-    return _emit(out, sampler.sample_row(prepare(rows[last], out), params, generator(last), None, None), emitted)
+    draws = None if params.greedy else generator(last)  # greedy draws nothing: no generator to seed
+    return _emit(out, sampler.sample_row(prepare(rows[last], out), params, draws, None, None), emitted)
 
 
 def _emit(out: list[int], token: int, emitted: Callable[[int], None]) -> list[int]:
