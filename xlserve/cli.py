@@ -17,6 +17,7 @@ from xlserve.config import (
     WORKER,
     CacheConfig,
     EngineConfig,
+    KVTierConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -27,7 +28,8 @@ from xlserve.config import (
 )
 
 ENGINE_GROUPS = ((ModelConfig, "model"), (CacheConfig, "KV cache"), (SchedulerConfig, "scheduler"),
-                 (ParallelConfig, "model parallelism"), (SpeculativeConfig, "speculative decoding"))
+                 (ParallelConfig, "model parallelism"), (SpeculativeConfig, "speculative decoding"),
+                 (KVTierConfig, "KV tiers"))
 
 
 def _server_config(args) -> ServerConfig:

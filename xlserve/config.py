@@ -194,6 +194,53 @@ class SpeculativeConfig:
             raise ValueError("--draft-model goes with --speculative draft, and --speculative draft needs it")
 
 
+KV_TIERS = ("host", "disk", "mooncake")
+
+
+def default_kv_disk_dir() -> str:
+    return str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "xlserve" / "kv-blocks")
+
+
+@dataclass(frozen=True)
+class KVTierConfig:
+    kv_tiers: str = _opt("", "KV tiers under the device pool, in order, comma-separated: 'host' (host memory), "
+                         "'disk' (one directory, survives restarts), 'mooncake' (Mooncake Store, shared by every "
+                         "worker that names the same --kv-store-address). A block the pool evicts moves to the "
+                         "first local tier (host, then disk, as each fills); finished requests' blocks are "
+                         "written through to mooncake. A prefix the pool misses is looked up in every tier "
+                         "and loaded instead of computed. Empty: the device pool only.")
+    kv_host_gib: float = _opt(4.0, "GiB of host memory for the 'host' tier (allocated up front, reused LRU).")
+    kv_disk_dir: str = _opt("", "Directory of the 'disk' tier; empty: $XDG_CACHE_HOME/xlserve/kv-blocks.")
+    kv_disk_gib: float = _opt(32.0, "GiB the 'disk' tier may fill (least recently used blocks are deleted first).")
+    kv_store_address: str = _opt("", "HOST:PORT of the Mooncake master for the 'mooncake' tier ('xlserve kvstore' "
+                                 "runs one; 'xlserve serve' starts one itself when this is empty).")
+    kv_tier_timeout: float = _opt(2.0, "Seconds a prefix lookup in the tiers may take; past it the request "
+                                  "computes what was not loaded (a slow or dead store never stalls a request).")
+
+    def __post_init__(self):
+        unknown = set(self.tier_names) - set(KV_TIERS)
+        if unknown:
+            raise ValueError(f"unknown KV tier(s) {', '.join(sorted(unknown))}; allowed: {', '.join(KV_TIERS)}")
+        if len(set(self.tier_names)) != len(self.tier_names):
+            raise ValueError(f"kv_tiers names a tier twice: {self.kv_tiers!r}")
+        if self.kv_host_gib <= 0 or self.kv_disk_gib <= 0:
+            raise ValueError(f"kv_host_gib and kv_disk_gib must be > 0, got {self.kv_host_gib} and {self.kv_disk_gib}")
+        if not 0 < self.kv_tier_timeout <= 60:
+            raise ValueError(f"kv_tier_timeout must be in (0, 60] seconds, got {self.kv_tier_timeout}")
+        if self.kv_store_address:
+            host, _, port = self.kv_store_address.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"kv_store_address must be HOST:PORT, got {self.kv_store_address!r}")
+
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        return tuple(filter(None, (t.strip() for t in self.kv_tiers.split(","))))
+
+    @property
+    def disk_dir(self) -> str:
+        return self.kv_disk_dir or default_kv_disk_dir()
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -201,13 +248,15 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    tiers: KVTierConfig = field(default_factory=KVTierConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
         """Build from flat keyword arguments (``LLM(model=..., block_size=...)``)."""
         parts = {}
         for name, sub in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
-                          ("parallel", ParallelConfig), ("speculative", SpeculativeConfig)):
+                          ("parallel", ParallelConfig), ("speculative", SpeculativeConfig),
+                          ("tiers", KVTierConfig)):
             names = set(sub.__dataclass_fields__)
             parts[name] = sub(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
         if kwargs:

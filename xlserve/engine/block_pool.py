@@ -3,7 +3,8 @@
 Invariants:
 - a block is in the free queue iff its ref_cnt is 0;
 - a block with a hash is findable through ``cached`` until it is handed out again;
-- free blocks are reused least-recently-freed first, so recently used prefixes stay longest.
+- free blocks are reused least-recently-freed first, so recently used prefixes stay longest;
+- an evicted cached block is shown to ``on_evict`` before its slot is reused.
 
 Layer groups (``engine/kv_groups.py``) share the pool; a cached block is found by its
 group and hash (group 0's by the hash alone: those are the ones KV events announce).
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 from xlserve.engine.kv_events import KVEventLog
 from xlserve.hashing import BlockHash
@@ -41,6 +43,9 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[CacheKey, KVBlock] = {}
         self.events = KVEventLog()
+        # called with (block id, hash) of the cached blocks (layer group 0) an allocation
+        # takes back, before anything overwrites them: the KV tiers' write-back
+        self.on_evict: Callable[[list[tuple[int, BlockHash]]], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -57,12 +62,17 @@ class BlockPool:
         if n > len(self.free_queue):
             raise RuntimeError(f"asked for {n} KV blocks, {len(self.free_queue)} free")
         out = []
+        evicted: list[tuple[int, BlockHash]] = []
         for _ in range(n):
             block_id, _ = self.free_queue.popitem(last=False)
             block = self.blocks[block_id]
+            if self.on_evict is not None and isinstance(block.block_hash, bytes):
+                evicted.append((block_id, block.block_hash))
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
+        if evicted:  # their bytes are still there: nothing writes a block before allocate returns
+            self.on_evict(evicted)
         return out
 
     def touch(self, blocks: list[KVBlock]) -> None:

@@ -218,15 +218,18 @@ class KVBlockStore:
         blocks = [b for group in groups for b in group]
         if not blocks:
             return KVPayload(self.layout, [], b"")
+        return KVPayload(self.layout, hashes, self.read([b.block_id for b in blocks]).tobytes())
+
+    def read(self, block_ids: list[int]) -> np.ndarray:
+        """These blocks' bytes with every layer slot and KV head, [blocks, layout.block_bytes]."""
         if self.shards is not None:
             self.shards.check_layout(self.layout)
-        ids = [b.block_id for b in blocks]
-        data = read_blocks(self.kv_caches, ids, self.layout.block_size)  # [n, slots, parts, bs, hk, d]
+        data = read_blocks(self.kv_caches, block_ids, self.layout.block_size)  # [n, slots, parts, bs, hk, d]
         if data.shape[-2] < self.layout.num_kv_heads or data.shape[1] < self.layout.num_layers:
-            data = self.shards.gather(ids, data, self.layout)  # else this rank has it all
+            data = self.shards.gather(block_ids, data, self.layout)  # else this rank has it all
         data = data.contiguous().cpu()
         raw = data.view(torch.int16) if data.dtype in (torch.bfloat16, torch.float16) else data
-        return KVPayload(self.layout, hashes, raw.numpy().tobytes())
+        return raw.numpy().view(np.uint8).reshape(len(block_ids), self.layout.block_bytes)
 
     def import_(self, payload: KVPayload) -> int:
         """Write the payload's blocks into free slots and publish them; returns how many of its

@@ -14,6 +14,7 @@ from xlserve.engine.kv_blocks import KVBlockStore, KVLayout, KVPayload, KVShards
 from xlserve.engine.kv_groups import KVGroup
 from xlserve.engine.request import Request
 from xlserve.hashing import BlockHash
+from xlserve.kvstore.tiered import TieredKV, TierLoad
 
 
 @dataclass
@@ -37,6 +38,7 @@ class KVCacheManager:
         self.num_hashed_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
         self._by_hash: KVBlockStore | None = None
+        self.tiers: TieredKV | None = None
 
     # -- blocks by hash (disaggregation, tiers) ---------------------------------------
     def attach(self, kv_caches: list[tuple[torch.Tensor, ...]], layout: KVLayout,
@@ -71,6 +73,47 @@ class KVCacheManager:
     @property
     def num_pins(self) -> int:
         return len(self._by_hash.pins) if self._by_hash else 0
+
+    # -- KV tiers (kvstore/): write-back on eviction, write-through at the end, read-through
+    def attach_tiers(self, tiers: TieredKV) -> None:
+        if len(self.groups) > 1:
+            raise ValueError("KV tiers hold models whose every layer keeps every token; this model has "
+                             "windowed layers (serve it without --kv-tiers)")
+        self.tiers = tiers
+        self.pool.on_evict = self._write_back
+
+    def _write_back(self, evicted: list[tuple[int, BlockHash]]) -> None:
+        wanted = [e for e, want in zip(evicted, self.tiers.wants_evicted([h for _, h in evicted])) if want]
+        if wanted:
+            self.tiers.offer_evicted([h for _, h in wanted], self._by_hash.read([i for i, _ in wanted]))
+
+    def write_through(self, request: Request) -> None:
+        """Send a finished request's computed blocks to the cluster tier (those not sent before)."""
+        table = self.req_blocks.get(request.request_id)
+        if self.tiers is None or not self.tiers.cluster or not table:
+            return
+        n = min(request.num_computed_tokens // self.block_size, len(request.block_hashes), len(table[0]))
+        hashes = request.block_hashes[:n]
+        wanted = [i for i, want in enumerate(self.tiers.wants_written_through(hashes)) if want]
+        if wanted:
+            self.tiers.offer_finished([hashes[i] for i in wanted],
+                                      self._by_hash.read([table[0][i].block_id for i in wanted]))
+
+    def start_load(self, request: Request):
+        """Ask the tiers for the blocks of the request's prefix that follow its device hit;
+        a ``Future`` of a ``TierLoad``, or None when there is nothing to ask."""
+        hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
+        hit = 0
+        while hit < len(hashes) and self.pool.lookup(hashes[hit]) is not None:
+            hit += 1
+        return self.tiers.lookup(hashes[hit:])
+
+    def finish_load(self, load: TierLoad) -> int:
+        """Put what a tier lookup fetched into the pool (published, evictable); returns the
+        blocks now cached."""
+        if not load.hashes:
+            return 0
+        return self._by_hash.import_(KVPayload(self.layout, load.hashes, load.data))
 
     def events_since(self, since: int, epoch: str) -> dict:
         """Block-hash events (stored / removed) after ``since``, or a snapshot."""

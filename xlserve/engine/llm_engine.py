@@ -25,6 +25,7 @@ from xlserve.engine.outputs import CompletionOutput, RequestOutput
 from xlserve.engine.request import FinishReason, HandOff, Request
 from xlserve.engine.scheduler import Scheduler, SchedulerOutput
 from xlserve.hashing import BlockHash, block_hashes
+from xlserve.kvstore.tiered import build_tiers
 from xlserve.loader.model_loader import LoadedModel, load_model
 from xlserve.loader.tokenizer import prompt_token_ids
 from xlserve.parallel.pipeline_parallel import balanced_stages
@@ -106,6 +107,13 @@ class LLMEngine:
         self.kv.attach(self.runner.kv_caches, KVLayout(
             self.kv_plan.width, self.block_size, spec.heads, spec.dim, DTYPE_NAMES[self.loaded.dtype],
             self.extra_key.hex(), spec.parts, self.kv_plan.windows()), self.ranks)
+        tiers = build_tiers(config.tiers, self.kv.layout)
+        if tiers is not None:
+            try:
+                self.kv.attach_tiers(tiers)
+            except BaseException:
+                tiers.close()
+                raise
         self.proposer = make_proposer(config, arch.vocab_size, self.tokenizer)
         self.draft_lengths: dict[str, DraftLength] = {}
         self.spec = SpeculationStats()
@@ -123,6 +131,10 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the other ranks (a no-op with one); the engine is unusable after."""
+        if getattr(self, "kv", None) is not None and self.kv.tiers is not None:
+            tiers, self.kv.tiers = self.kv.tiers, None
+            self.kv.pool.on_evict = None
+            tiers.close()
         if self.ranks is not None:
             ranks, self.ranks = self.ranks, None
             ranks.close()
@@ -200,6 +212,8 @@ class LLMEngine:
         self.kv.expire_pins()
         outputs = self._refuse_overdue()
         sched_out = self.scheduler.schedule()
+        if not sched_out.scheduled:
+            self.scheduler.wait_for_loads(0.01)  # only tier loads are pending: don't spin
         runner_out = self._execute(sched_out)
         if runner_out.decode_path is not None:
             self.steps_by_path[runner_out.decode_path] += 1
@@ -365,4 +379,7 @@ class LLMEngine:
             "spec_proposed_tokens": self.spec.proposed,
             "spec_accepted_tokens": self.spec.accepted,
             "spec_acceptance_lengths": dict(self.spec.lengths),
+            "num_loading": len(self.scheduler.loading),
+            "kv_tier_timeouts": self.scheduler.num_tier_timeouts,
+            "kv_tiers": kv.tiers.stats() if kv.tiers is not None else {},
         }

@@ -75,6 +75,7 @@ class Request:
         self.num_preemptions = 0
         self.output_logprobs: list[dict] = []
         self.spec_token_ids: list[int] = []  # proposed next tokens, checked in the next step
+        self.tiers_asked = False  # the KV tiers were asked for this request's prefix (once per admission)
         self.update_block_hashes()
 
     @property

@@ -9,7 +9,9 @@ that cheap). The output is plain data; tensors never cross into the scheduler.
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
 from xlserve.config import CacheConfig, SchedulerConfig
@@ -53,6 +55,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.finished_ids: list[str] = []
         self.num_preemptions = 0
+        # requests whose prefix the KV tiers are fetching: id -> (request, future, deadline)
+        self.loading: dict[str, tuple[Request, Future, float]] = {}
+        self.num_tier_timeouts = 0
 
     def add_request(self, request: Request) -> None:
         """Queued behind every waiting request of the same or a lower ``priority`` value
@@ -72,11 +77,13 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.loading)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
+        if self.loading:
+            self._collect_loads(time.monotonic())
         preempted = self._schedule_running(scheduled, budget)
         budget -= sum(len(s.token_ids) for s in scheduled)
         if not preempted:
@@ -110,6 +117,8 @@ class Scheduler:
     def _schedule_waiting(self, scheduled: list, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if self.kv.tiers is not None and not req.tiers_asked and self._start_load(req):
+                continue
             hits, num_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(req, n, hits):
@@ -123,6 +132,38 @@ class Scheduler:
             self.running.append(req)
             scheduled.append(self._scheduled(req, n))
             budget -= n
+
+    # -- KV tiers: a request whose prefix a tier holds waits for it off the queue ----------
+    def _start_load(self, req: Request) -> bool:
+        req.tiers_asked = True
+        future = self.kv.start_load(req)
+        if future is None:
+            return False
+        self.waiting.popleft()
+        self.loading[req.request_id] = (req, future, time.monotonic() + self.kv.tiers.timeout)
+        return True
+
+    def _collect_loads(self, now: float) -> None:
+        """Loads that arrived go into the pool; their requests (and those past the deadline,
+        which compute what did not arrive) return to the front of the queue."""
+        back = []
+        for request_id, (req, future, deadline) in list(self.loading.items()):
+            if not future.done() and now < deadline:
+                continue
+            del self.loading[request_id]
+            back.append(req)
+            if not future.done():
+                self.num_tier_timeouts += 1
+                future.cancel()  # a load still running finishes into nothing
+            elif not future.cancelled() and future.exception() is None:
+                self.kv.finish_load(future.result())
+        for req in reversed(back):
+            self.waiting.appendleft(req)
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Block until a tier load arrives (or ``timeout``), when there is nothing else to do."""
+        if self.loading:
+            wait([f for _, f, _ in self.loading.values()], timeout, return_when=FIRST_COMPLETED)
 
     def _scheduled(self, req: Request, n: int, proposed: list[int] = ()) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -140,6 +181,7 @@ class Scheduler:
         self.kv.free(req)
         req.spec_token_ids = []
         req.num_computed_tokens = 0
+        req.tiers_asked = False  # its blocks may have moved to a tier by the time it runs again
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -179,6 +221,9 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.loading.pop(request_id, None)
+        if reason != FinishReason.ERROR:  # an error's blocks may be half-written
+            self.kv.write_through(req)
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
