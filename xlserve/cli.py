@@ -17,6 +17,7 @@ from xlserve.config import (
     WORKER,
     CacheConfig,
     EngineConfig,
+    KVStoreConfig,
     KVTierConfig,
     ModelConfig,
     ParallelConfig,
@@ -99,6 +100,14 @@ def cmd_router(args) -> int:
     return 0
 
 
+def cmd_kvstore(args) -> int:
+    from xlserve.kvstore.master import run_kvstore
+    config = config_from_args(args, KVStoreConfig)
+    _setup_logging(config.log_level)
+    run_kvstore(config)
+    return 0
+
+
 def cmd_generate(args) -> int:
     from xlserve import LLM, SamplingParams
     _setup_logging("warning")
@@ -159,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     _add_engine_args(g, "generate")
     g.set_defaults(func=cmd_generate)
+    text = ("run a Mooncake Store for the 'mooncake' KV tier: its master (with the built-in metadata server) "
+            "supervised and restarted if it exits, and the store's memory; until Ctrl-C")
+    k = sub.add_parser("kvstore", help=text, description=text[0].upper() + text[1:] + ". Workers reach it with "
+                       "--kv-tiers ...,mooncake --kv-store-address HOST:PORT.")
+    add_config_args(k, KVStoreConfig, "store")
+    k.set_defaults(func=cmd_kvstore)
     _add_plan_parser(sub)
     from xlserve.bench.cli import add_bench_parser
     add_bench_parser(sub)

@@ -242,6 +242,28 @@ class KVTierConfig:
 
 
 @dataclass(frozen=True)
+class KVStoreConfig:
+    """``xlserve kvstore``: the Mooncake Store behind the 'mooncake' KV tier."""
+    host: str = _opt("127.0.0.1", "Address the master, its metadata server and its metrics bind to. The store has "
+                     "no authentication of its own: keep it on loopback or a private network.")
+    port: int = _opt(50051, "The master's RPC port; its HTTP metadata server listens on the next port and its "
+                     "metrics on the one after. Workers name it as --kv-store-address HOST:PORT.")
+    gib: float = _opt(4.0, "GiB of memory the store holds (mounted by this process, so a worker that exits "
+                      "takes no blocks with it); the master evicts least recently used blocks past 90%.")
+    log_level: str = _opt("info", "Log level.", choices=("debug", "info", "warning", "error"))
+
+    def __post_init__(self):
+        if not 0 < self.port < 65534:
+            raise ValueError(f"port must be in 1..65533 (the next two ports are used too), got {self.port}")
+        if self.gib <= 0:
+            raise ValueError(f"gib must be > 0, got {self.gib}")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -19,7 +19,7 @@ import time
 import httpx
 
 from xlserve.cli_args import config_to_args
-from xlserve.config import SERVE, WORKER, EngineConfig, ServerConfig, SupervisorConfig
+from xlserve.config import SERVE, WORKER, EngineConfig, KVStoreConfig, ServerConfig, SupervisorConfig
 from xlserve.supervisor import Supervisor, WorkerProcess, die_with_parent, raise_on_sigterm, stop_processes
 
 log = logging.getLogger("xlserve.serve")
@@ -39,7 +39,7 @@ def worker_process(role: str, engine: EngineConfig, server: ServerConfig, key: s
     port = free_port()
     args = [sys.executable, "-m", "xlserve.cli", "worker", "--role", role, "--host", "127.0.0.1",
             "--port", str(port)]
-    for part in (engine.model, engine.cache, engine.scheduler, engine.parallel, worker_server_config(server)):
+    for part in [getattr(engine, f.name) for f in dataclasses.fields(engine)] + [worker_server_config(server)]:
         args += config_to_args(part)
     env = {**os.environ, "XLSERVE_INTERNAL_API_KEY": key}  # never on a command line
     if cores:
@@ -53,6 +53,15 @@ def worker_process(role: str, engine: EngineConfig, server: ServerConfig, key: s
     worker = WorkerProcess(role, f"http://127.0.0.1:{port}", spawn)
     worker.start()
     return worker
+
+
+def worker_engine(engine: EngineConfig, role: str) -> EngineConfig:
+    """A worker's engine flags: each keeps its disk tier in its own directory (one index per
+    directory; the cluster tier is the one workers share)."""
+    tiers = engine.tiers
+    if "disk" not in tiers.tier_names:
+        return engine
+    return dataclasses.replace(engine, tiers=dataclasses.replace(tiers, kv_disk_dir=os.path.join(tiers.disk_dir, role)))
 
 
 def worker_server_config(server: ServerConfig) -> ServerConfig:
@@ -92,8 +101,43 @@ def stop_all(procs: list[tuple[subprocess.Popen, str]]) -> None:
     stop_processes([proc for proc, _ in procs])
 
 
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive free loopback ports."""
+    for _ in range(50):
+        first = free_port()
+        if first + n < 65536 and all(port_is_free(first + i) for i in range(1, n)):
+            return first
+    raise RuntimeError(f"found no {n} consecutive free ports on 127.0.0.1")
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
 def serve(engine: EngineConfig, server: ServerConfig, colocated: bool, policy: str = "cache_aware",
           supervision: SupervisorConfig | None = None) -> None:
+    """The stack; with the 'mooncake' tier and no --kv-store-address, a Mooncake store of its own too."""
+    tiers = engine.tiers
+    if "mooncake" not in tiers.tier_names or tiers.kv_store_address:
+        return _serve(engine, server, colocated, policy, supervision)
+    from xlserve.kvstore.master import spawn_kvstore
+    store = KVStoreConfig(port=free_ports(3), log_level=server.log_level)
+    log.info("starting a Mooncake store for the cluster KV tier on %s", store.address)
+    proc = spawn_kvstore(store)
+    try:
+        engine = dataclasses.replace(engine, tiers=dataclasses.replace(tiers, kv_store_address=store.address))
+        _serve(engine, server, colocated, policy, supervision)
+    finally:
+        stop_processes([proc])
+
+
+def _serve(engine: EngineConfig, server: ServerConfig, colocated: bool, policy: str,
+           supervision: SupervisorConfig | None) -> None:
     if colocated:
         from xlserve.worker.server import run_worker
         run_worker(engine, server)
@@ -104,8 +148,8 @@ def serve(engine: EngineConfig, server: ServerConfig, colocated: bool, policy: s
     workers: list[WorkerProcess] = []
     supervisor = None
     try:
-        workers.append(worker_process("prefill", engine, server, key))
-        workers.append(worker_process("decode", engine, server, key))
+        for role in ("prefill", "decode"):
+            workers.append(worker_process(role, worker_engine(engine, role), server, key))
         wait_healthy([(w.proc, w.url) for w in workers])
         log.info("workers ready: prefill %s, decode %s", workers[0].url, workers[1].url)
         gave_up: list[str] = []

@@ -113,6 +113,7 @@ class KVCacheManager:
         blocks now cached."""
         if not load.hashes:
             return 0
+        self.tiers.known_in_cluster(load.in_cluster)
         return self._by_hash.import_(KVPayload(self.layout, load.hashes, load.data))
 
     def events_since(self, since: int, epoch: str) -> dict:

@@ -39,6 +39,7 @@ class TierLoad:
     hashes: list[BlockHash]
     data: bytes
     from_tiers: dict[str, int]
+    in_cluster: tuple[BlockHash, ...] = ()  # those a cluster tier holds: no need to write them through
 
 
 class _Writer:
@@ -124,11 +125,15 @@ class TieredKV:
         return [bool(self.cluster) and block_key(h) not in self._in_cluster for h in hashes]
 
     def offer_finished(self, hashes: list[BlockHash], blocks: np.ndarray) -> None:
+        self.known_in_cluster(hashes)
+        self._submit("cluster", hashes, blocks)
+
+    def known_in_cluster(self, hashes) -> None:
+        """Remember blocks the cluster tier holds (engine thread only)."""
         for h in hashes:
             self._in_cluster[block_key(h)] = None
         while len(self._in_cluster) > KNOWN_IN_CLUSTER:
             del self._in_cluster[next(iter(self._in_cluster))]
-        self._submit("cluster", hashes, blocks)
 
     def _submit(self, writer: str, hashes: list[BlockHash], blocks: np.ndarray) -> None:
         if hashes and not self._writers[writer].submit([block_key(h) for h in hashes], blocks):
@@ -201,7 +206,8 @@ class TieredKV:
             counts[tier.name] = counts.get(tier.name, 0) + 1
         for tier in self.tiers:
             tier.stats.add(hits=counts.get(tier.name, 0))
-        return TierLoad(hashes[:run], b"".join(blocks[:run]), counts)
+        in_cluster = tuple(h for h, s in zip(hashes[:run], source) if not s.local)
+        return TierLoad(hashes[:run], b"".join(blocks[:run]), counts, in_cluster)
 
     # -- the rest ----------------------------------------------------------------
     def stats(self) -> dict:

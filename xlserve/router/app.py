@@ -92,7 +92,8 @@ def build_router_app(opts: RouterOptions, config: ServerConfig):
     @app.get("/router/workers", dependencies=app.state.api_dependencies if config.metrics_need_key else [])
     async def workers():
         return [{"url": w.url, "role": w.role, "healthy": w.healthy, "prefill_tokens": w.prefill_tokens,
-                 "decode_tokens": w.decode_tokens, "indexed_blocks": index.blocks_on(w.url)} for w in pool.workers]
+                 "decode_tokens": w.decode_tokens, "indexed_blocks": index.blocks_on(w.url),
+                 "kv_tiers": w.engine_stats.get("kv_tiers", {})} for w in pool.workers]
 
     return app
 

@@ -117,6 +117,8 @@ class WorkerPool:
         try:
             stats = (await self.http.get(f"{worker.url}/internal/stats", timeout=5)).json()
             worker.engine_stats = {k: float(v) for k, v in stats.items() if isinstance(v, (int, float))}
+            if isinstance(stats.get("kv_tiers"), dict):
+                worker.engine_stats["kv_tiers"] = stats["kv_tiers"]
         except (httpx.HTTPError, ValueError, AttributeError) as e:
             log.debug("engine stats of %s: %s", worker.url, e)
 

@@ -40,6 +40,24 @@ ENGINE_METRICS = (
     ("num_preemptions", "xlserve_num_preemptions", "Requests preempted for lack of KV blocks", COUNTER),
     ("num_failed_requests", "xlserve_requests_failed_in_engine", "Requests ended by an error inside a step "
      "(the engine served on)", COUNTER),
+    ("num_loading", "xlserve_num_requests_loading_kv", "Requests waiting for their prefix from the KV tiers", GAUGE),
+    ("kv_tier_timeouts", "xlserve_kv_tier_lookup_timeouts", "Tier lookups past --kv-tier-timeout (the request "
+     "computed what had not arrived)", COUNTER),
+)
+
+# (tier stats key, metric name, help, kind), one series per tier ("tier" label)
+TIER_METRICS = (
+    ("hits", "xlserve_kv_tier_hit_blocks", "Blocks loaded from the tier into the device pool", COUNTER),
+    ("misses", "xlserve_kv_tier_miss_blocks", "Blocks asked of the tier and not found (bad ones included)", COUNTER),
+    ("bytes_read", "xlserve_kv_tier_read_bytes", "Bytes read from the tier", COUNTER),
+    ("bytes_written", "xlserve_kv_tier_written_bytes", "Bytes written to the tier", COUNTER),
+    ("load_seconds", "xlserve_kv_tier_load_seconds", "Seconds spent reading blocks from the tier", COUNTER),
+    ("evictions", "xlserve_kv_tier_evicted_blocks", "Blocks the tier dropped to make room", COUNTER),
+    ("dropped", "xlserve_kv_tier_dropped_blocks", "Blocks offered to the tier and not stored", COUNTER),
+    ("failures", "xlserve_kv_tier_failures", "Faults met: corrupt blocks, I/O errors, an unreachable store", COUNTER),
+    ("blocks", "xlserve_kv_tier_blocks", "Blocks the tier holds", GAUGE),
+    ("capacity_blocks", "xlserve_kv_tier_capacity_blocks", "Blocks the tier holds when full", GAUGE),
+    ("enabled", "xlserve_kv_tier_enabled", "1 while the tier serves, 0 after a fault took it out", GAUGE),
 )
 
 
@@ -67,6 +85,22 @@ class EngineCollector(Collector):
                     family.add_metric([who] if self.label else [], _value(stats, key))
             yield family
         yield from self._speculation(sources)
+        yield from self._tiers(sources)
+
+    def _tiers(self, sources: dict[str, dict]):
+        labels = ([self.label] if self.label else []) + ["tier"]
+        for key, name, doc, kind in TIER_METRICS:
+            family = (CounterMetricFamily if kind == COUNTER else GaugeMetricFamily)(name, doc, labels=labels)
+            for who, stats in sources.items():
+                for tier, counts in ((stats or {}).get("kv_tiers") or {}).get("tiers", {}).items():
+                    family.add_metric(([who] if self.label else []) + [tier], float(counts[key]))
+            yield family
+        dropped = CounterMetricFamily("xlserve_kv_tier_dropped_writes", "Blocks not queued for the tiers: the "
+                                      "write queue was full", labels=labels[:-1])
+        for who, stats in sources.items():
+            if (tiers := (stats or {}).get("kv_tiers")):
+                dropped.add_metric([who] if self.label else [], tiers["dropped_writes"])
+        yield dropped
 
     def _speculation(self, sources: dict[str, dict]):
         """Proposed and accepted tokens by proposer, and a histogram of how many of a step's

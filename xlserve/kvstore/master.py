@@ -1,0 +1,155 @@
+"""``xlserve kvstore``: a Mooncake Store for the cluster KV tier, supervised.
+
+It runs the Mooncake master (``mooncake_master`` from the ``mooncake`` package, with its
+built-in HTTP metadata server, so no etcd) and mounts the store's memory itself, so
+workers are pure clients and a worker that exits takes no blocks with it. Ports: the
+master's RPC on ``--port``, the metadata server on the next one, its metrics on the one
+after; all bound to ``--host`` (127.0.0.1 unless told otherwise: the store has no
+authentication of its own, so keep it on a private network). A master that exits is
+restarted (the memory clients reconnect by themselves); Ctrl-C or SIGTERM stops it all.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from xlserve.config import KVStoreConfig
+from xlserve.kvstore.mooncake import CLIENT_BUFFER_BYTES, client_environment, new_client
+
+log = logging.getLogger("xlserve.kvstore")
+SEGMENT_GIB_MAX = 32  # one mounted segment at most: registrations above ~64 GiB fail (reported by its users)
+READY_TIMEOUT_S = 30.0
+READY_LINE = "xlserve kvstore: Mooncake store ready"
+
+
+def master_binary() -> Path:
+    import mooncake
+
+    path = Path(mooncake.__file__).parent / "mooncake_master"
+    if not path.exists():
+        raise RuntimeError(f"the mooncake package has no mooncake_master at {path}")
+    return path
+
+
+def master_command(opts: KVStoreConfig) -> list[str]:
+    return [str(master_binary()), f"--rpc_address={opts.host}", f"--rpc_port={opts.port}",
+            "--enable_http_metadata_server=true", f"--http_metadata_server_host={opts.host}",
+            f"--http_metadata_server_port={opts.port + 1}", f"--metrics_host={opts.host}",
+            f"--metrics_port={opts.port + 2}"]
+
+
+def port_open(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def wait_ready(host: str, port: int, timeout: float = READY_TIMEOUT_S, proc: subprocess.Popen | None = None) -> None:
+    """Until the master's RPC and metadata ports accept connections."""
+    deadline = time.monotonic() + timeout
+    while not (port_open(host, port) and port_open(host, port + 1)):
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the Mooncake master exited with code {proc.returncode} while starting")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the Mooncake master at {host}:{port} did not answer within {timeout:g} s")
+        time.sleep(0.1)
+
+
+class KVStore:
+    """The master process, restarted when it exits, and the store's mounted memory."""
+
+    def __init__(self, opts: KVStoreConfig):
+        self.opts = opts
+        self.proc: subprocess.Popen | None = None
+        self.segments = []  # Mooncake clients holding the memory
+        self.restarts = 0
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        client_environment(self.opts.host)
+        self._spawn()
+        wait_ready(self.opts.host, self.opts.port, proc=self.proc)
+        remaining = self.opts.gib
+        while remaining > 0:
+            gib = min(remaining, SEGMENT_GIB_MAX)
+            segment = new_client(self.opts.host, self.opts.port, int(gib * 1024 ** 3), CLIENT_BUFFER_BYTES)
+            if segment is None:
+                raise RuntimeError(f"could not mount {gib:g} GiB in the Mooncake store at {self.opts.address}")
+            self.segments.append(segment)
+            remaining -= gib
+        log.info("Mooncake store on %s (metadata http://%s:%d/metadata): %g GiB", self.opts.address,
+                 self.opts.host, self.opts.port + 1, self.opts.gib)
+
+    def _spawn(self) -> None:
+        from xlserve.supervisor import die_with_parent
+
+        self.proc = subprocess.Popen(master_command(self.opts), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     preexec_fn=die_with_parent)
+
+    def supervise(self) -> None:
+        """Restart the master whenever it exits, until ``stop``."""
+        while not self._stop.wait(0.5):
+            if self.proc.poll() is None:
+                continue
+            self.restarts += 1
+            log.warning("the Mooncake master exited (code %s); restarting it (restart %d)", self.proc.returncode,
+                        self.restarts)
+            time.sleep(min(5.0, 0.5 * self.restarts))
+            self._spawn()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for segment in self.segments:
+            try:
+                segment.close()
+            except Exception:  # noqa: BLE001 - stopping anyway
+                pass
+        self.segments = []
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def run_kvstore(opts: KVStoreConfig) -> None:
+    from xlserve.supervisor import raise_on_sigterm
+
+    raise_on_sigterm()
+    store = KVStore(opts)
+    try:
+        store.start()
+        print(f"{READY_LINE} at {opts.address} ({opts.gib:g} GiB); Ctrl-C stops it", flush=True)
+        store.supervise()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        store.stop()
+
+
+def spawn_kvstore(config: KVStoreConfig) -> subprocess.Popen:
+    """``xlserve kvstore`` as a child process (``xlserve serve`` starts one); returns once its
+    memory is mounted."""
+    from xlserve.supervisor import die_with_parent
+
+    args = [sys.executable, "-m", "xlserve.cli", "kvstore", "--host", config.host, "--port", str(config.port),
+            "--gib", str(config.gib), "--log-level", config.log_level]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(READY_TIMEOUT_S)
+    if not lines or not lines[0].startswith(READY_LINE):
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"xlserve kvstore did not start on {config.address} within {READY_TIMEOUT_S:g} s "
+                           f"(exit code {proc.returncode})")
+    return proc
