@@ -8,6 +8,10 @@ STAMP := $(VENV)/.installed-stamp
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
+	# Mooncake (the cluster KV tier) loads libibverbs1; without it its tests skip, saying so
+	@ldconfig -p | grep -q libibverbs.so.1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& apt-get update -qq && apt-get install -y -qq libibverbs1 >/dev/null; } \
+		|| echo "libibverbs1 is missing and could not be installed: the Mooncake tests will skip"
 	# torch first, pinned, so nothing pulls a different build
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'

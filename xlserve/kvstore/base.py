@@ -95,6 +95,7 @@ class KVTier(ABC):
     def __init__(self, block_bytes: int):
         self.block_bytes = block_bytes
         self.stats = TierStats()
+        self.outages = 0  # times the tier failed: what it held before may be gone (a restarted store)
 
     @classmethod
     @abstractmethod

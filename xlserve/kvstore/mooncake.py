@@ -101,6 +101,7 @@ class MooncakeTier(KVTier):
         if time.monotonic() >= self.down_until:
             log.warning("mooncake KV tier: %s failed; missing for %.0f s, then trying again", what, COOL_OFF_S)
         self.down_until = time.monotonic() + COOL_OFF_S
+        self.outages += 1
         self.stats.add(failures=1)
 
     @staticmethod

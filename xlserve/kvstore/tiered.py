@@ -107,6 +107,7 @@ class TieredKV:
         if self.cluster:
             self._writers["cluster"] = _Writer("cluster", self._store_cluster, self._pending)
         self._in_cluster: dict[bytes, None] = {}  # insertion-ordered, bounded
+        self._cluster_outages = 0
         self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-tier-loader")
 
     # -- writes ------------------------------------------------------------------
@@ -121,7 +122,12 @@ class TieredKV:
         self._submit("local" if self.local else "cluster", hashes, blocks)
 
     def wants_written_through(self, hashes: list[BlockHash]) -> list[bool]:
-        """Which of a finished request's blocks the cluster tier has not been sent yet."""
+        """Which of a finished request's blocks the cluster tier has not been sent yet (all of
+        them after an outage: a restarted store has lost what it held)."""
+        outages = sum(t.outages for t in self.cluster)
+        if outages != self._cluster_outages:
+            self._cluster_outages = outages
+            self._in_cluster.clear()
         return [bool(self.cluster) and block_key(h) not in self._in_cluster for h in hashes]
 
     def offer_finished(self, hashes: list[BlockHash], blocks: np.ndarray) -> None:

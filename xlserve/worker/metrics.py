@@ -97,10 +97,13 @@ class EngineCollector(Collector):
             yield family
         dropped = CounterMetricFamily("xlserve_kv_tier_dropped_writes", "Blocks not queued for the tiers: the "
                                       "write queue was full", labels=labels[:-1])
+        pending = GaugeMetricFamily("xlserve_kv_tier_pending_write_bytes", "Bytes queued for the tiers, not yet "
+                                    "stored", labels=labels[:-1])
         for who, stats in sources.items():
             if (tiers := (stats or {}).get("kv_tiers")):
                 dropped.add_metric([who] if self.label else [], tiers["dropped_writes"])
-        yield dropped
+                pending.add_metric([who] if self.label else [], tiers["pending_write_bytes"])
+        yield from (dropped, pending)
 
     def _speculation(self, sources: dict[str, dict]):
         """Proposed and accepted tokens by proposer, and a histogram of how many of a step's
