@@ -81,6 +81,7 @@ class KVCacheManager:
                              "windowed layers (serve it without --kv-tiers)")
         self.tiers = tiers
         self.pool.on_evict = self._write_back
+        tiers.attach_events(self.pool.events)
 
     def _write_back(self, evicted: list[tuple[int, BlockHash]]) -> None:
         wanted = [e for e, want in zip(evicted, self.tiers.wants_evicted([h for _, h in evicted])) if want]

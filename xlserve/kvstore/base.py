@@ -96,6 +96,18 @@ class KVTier(ABC):
         self.block_bytes = block_bytes
         self.stats = TierStats()
         self.outages = 0  # times the tier failed: what it held before may be gone (a restarted store)
+        self.events = None  # the worker's KVEventLog, once attached: the router's index follows it
+
+    def announce(self, kind: str, keys: list[BlockKey]) -> None:
+        """Tell the event log that these blocks were ``stored`` here or ``removed``."""
+        if self.events is not None:
+            record = self.events.stored if kind == "stored" else self.events.removed
+            for key in keys:
+                record(key, self.name)
+
+    def keys(self) -> list[BlockKey]:
+        """What the tier holds, as far as this process knows (event-log snapshots)."""
+        return []
 
     @classmethod
     @abstractmethod

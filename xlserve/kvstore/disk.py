@@ -119,9 +119,15 @@ class DiskTier(KVTier):
                 return []
             with self.lock:
                 self.index[key] = None
-                self._evict_over(self.capacity)
+                gone = self._evict_over(self.capacity)
             self.stats.add(stored=1, bytes_written=self.file_bytes)
+            self.announce("removed", gone)
+            self.announce("stored", [key])
         return []
+
+    def keys(self) -> list[BlockKey]:
+        with self.lock:
+            return list(self.index)
 
     def _write(self, key: BlockKey, block: memoryview) -> bool:
         try:
@@ -141,14 +147,20 @@ class DiskTier(KVTier):
             log.error("disk KV tier %s is off after a write failed (%s); the other tiers go on", self.dir, e)
             return False
 
-    def _evict_over(self, capacity: int) -> None:
+    def _evict_over(self, capacity: int) -> list[BlockKey]:
+        gone = []
         while len(self.index) > capacity:  # the lock is held
             old, _ = self.index.popitem(last=False)
             self._path(old).unlink(missing_ok=True)
-            self.stats.add(evictions=1)
+            gone.append(old)
+        self.stats.add(evictions=len(gone))
+        return gone
 
     def remove(self, keys: list[BlockKey]) -> None:
+        removed = []
         with self.lock:
             for key in keys:
                 if self.index.pop(key, "absent") is None:
                     self._path(key).unlink(missing_ok=True)
+                    removed.append(key)
+        self.announce("removed", removed)

@@ -61,12 +61,13 @@ class HostTier(KVTier):
         return out
 
     def put(self, keys: list[BlockKey], blocks: list[memoryview]) -> list[tuple[BlockKey, memoryview]]:
-        evicted = []
+        evicted, stored = [], []
         with self.lock:
             for key, block in zip(keys, blocks):
                 if key in self.slots:
                     self.slots.move_to_end(key)
                     continue
+                stored.append(key)
                 if not self.free:
                     old, slot = self.slots.popitem(last=False)
                     evicted.append((old, memoryview(self.slab[slot].copy())))  # handed to the next tier
@@ -74,15 +75,24 @@ class HostTier(KVTier):
                 slot = self.free.pop()
                 self.slab[slot] = memoryview(block).cast("B")
                 self.slots[key] = slot
-        self.stats.add(stored=len(keys), evictions=len(evicted), bytes_written=len(keys) * self.block_bytes)
+        self.stats.add(stored=len(stored), evictions=len(evicted), bytes_written=len(stored) * self.block_bytes)
+        self.announce("removed", [k for k, _ in evicted])
+        self.announce("stored", stored)
         return evicted
 
+    def keys(self) -> list[BlockKey]:
+        with self.lock:
+            return list(self.slots)
+
     def remove(self, keys: list[BlockKey]) -> None:
+        removed = []
         with self.lock:
             for key in keys:
                 slot = self.slots.pop(key, None)
                 if slot is not None:
                     self.free.append(slot)
+                    removed.append(key)
+        self.announce("removed", removed)
 
     def close(self) -> None:
         with self.lock:

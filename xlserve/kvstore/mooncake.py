@@ -162,6 +162,7 @@ class MooncakeTier(KVTier):
                     return []
                 continue
             self.stats.add(stored=len(chunk), bytes_written=len(chunk) * self.value_bytes)
+            self.announce("stored", chunk)  # removals are the master's, unseen: the router ages them out
         return []
 
     @property

@@ -110,6 +110,12 @@ class TieredKV:
         self._cluster_outages = 0
         self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-tier-loader")
 
+    def attach_events(self, events) -> None:
+        """Tiers announce what they store and drop in the worker's KV event log."""
+        for tier in self.tiers:
+            tier.events = events
+            events.tier_snapshots[tier.name] = tier.keys
+
     # -- writes ------------------------------------------------------------------
     def wants_evicted(self, hashes: list[BlockHash]) -> list[bool]:
         """Which blocks leaving the device pool are worth copying out: those the first tier

@@ -93,6 +93,7 @@ def build_router_app(opts: RouterOptions, config: ServerConfig):
     async def workers():
         return [{"url": w.url, "role": w.role, "healthy": w.healthy, "prefill_tokens": w.prefill_tokens,
                  "decode_tokens": w.decode_tokens, "indexed_blocks": index.blocks_on(w.url),
+                 "indexed_by_tier": index.tiers_on(w.url),
                  "kv_tiers": w.engine_stats.get("kv_tiers", {})} for w in pool.workers]
 
     return app

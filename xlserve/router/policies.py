@@ -27,8 +27,10 @@ class RouteRequest:
 
 class RoutingPolicy(ABC):
     @abstractmethod
-    def pick(self, candidates: list[Worker], req: RouteRequest, cached: dict[str, int]) -> Worker:
-        """``cached``: worker url -> number of the prompt's leading blocks it is believed to hold."""
+    def pick(self, candidates: list[Worker], req: RouteRequest, cached: dict[str, float]) -> Worker:
+        """``cached``: worker url -> the prompt's leading blocks it is believed to hold or be able to
+        load, each weighted by its tier (1 in the device pool, less in host memory, disk, the
+        cluster store: ``router/index.py``)."""
 
 
 class RoundRobin(RoutingPolicy):

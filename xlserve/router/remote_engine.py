@@ -173,9 +173,10 @@ class RemoteEngine(EngineClient):
         candidates = [w for w in self.pool.candidates(stage) if w.url not in exclude]
         if not candidates:
             raise NoWorker(f"no healthy {stage} worker")
-        cached = self.index.cached_blocks(route.block_hashes, [w.url for w in candidates])
-        worker = self.policy.pick(candidates, route, cached)
-        route.predicted_cached[worker.url] = cached.get(worker.url, 0) * self.block_size
+        urls = [w.url for w in candidates]
+        worker = self.policy.pick(candidates, route, self.index.cache_scores(route.block_hashes, urls))
+        route.predicted_cached[worker.url] = self.index.cached_blocks(route.block_hashes, [worker.url])[worker.url] \
+            * self.block_size
         if self.metrics is not None:
             self.metrics.observe_route(stage, worker.url)
         return worker
