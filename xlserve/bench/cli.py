@@ -49,8 +49,15 @@ def add_bench_parser(sub) -> None:
                    help="trace requests to replay, whole conversations sampled at random (0: no replay)")
     s.add_argument("--trace-length-scale", type=float, default=1 / 32,
                    help="prompt and output lengths are multiplied by this")
+    s.add_argument("--trace-min-turns", type=int, default=1, help="replay only conversations of at least this many "
+                   "requests (agent sessions that come back)")
     s.add_argument("--trace-seconds", type=float, default=40.0, help="the sampled arrivals are squeezed into this")
     s.add_argument("--no-peers", action="store_true", help="skip llama-server even when installed")
+    s.add_argument("--tiers", action="store_true", help="instead: the trace against a small device pool, with and "
+                   "without KV tiers (host, disk, the cluster store), beside an unbounded pool")
+    s.add_argument("--kv-cache-tokens", type=int, default=4096, help="with --tiers: the device pool, in tokens")
+    s.add_argument("--kv-host-gib", type=float, default=0.25, help="with --tiers: each worker's host tier")
+    s.add_argument("--repeats", type=int, default=1, help="with --tiers: runs of every setup, interleaved")
     s.add_argument("--out", default="bench-serve.json", help="where to write the JSON results")
     s.add_argument("--png", default="", help="also write a chart here")
     s.set_defaults(func=cmd_bench_serve)
@@ -128,11 +135,13 @@ def cmd_bench_serve(args) -> int:
     scale = None
     if args.trace_requests:
         replay = TraceReplay(path=args.trace, requests=args.trace_requests, length_scale=args.trace_length_scale,
-                             duration_s=args.trace_seconds)
+                             duration_s=args.trace_seconds, min_turns=args.trace_min_turns)
         trace_requests, scale = build_requests(load_trace(replay.path), replay)
         print(describe(scale))
         workloads["trace"] = lambda url, bar: run_trace(url, trace_requests, progress=bar)
         total += len(trace_requests)
+    if args.tiers:
+        return _bench_tiers(args, workloads.get("trace"), total - args.sessions * args.turns, scale)
     if args.url:
         try:
             rows = [{"setup": args.url, "workload": name, **summarize(asyncio.run(run(args.url.rstrip("/"), None)))}
@@ -148,6 +157,24 @@ def cmd_bench_serve(args) -> int:
         print(line)
     if args.png:
         serve_png(rows, args.png)
+        print(f"chart: {args.png}")
+    return 0
+
+
+def _bench_tiers(args, workload, total: int, scale: dict | None) -> int:
+    from xlserve.bench.tier_bench import run_tier_compare, summarize_runs, tier_goals, tier_png, tier_table
+    if workload is None:
+        raise ValueError("--tiers replays the trace: give --trace-requests > 0")
+    rows = run_tier_compare(workload, total, args.kv_cache_tokens, args.kv_host_gib, args.repeats)
+    summary = summarize_runs(rows)
+    with open(args.out, "w") as f:
+        json.dump({"trace_scale": scale, "kv_cache_tokens": args.kv_cache_tokens, "kv_host_gib": args.kv_host_gib,
+                   "repeats": args.repeats, "summary": summary, "results": rows}, f, indent=2)
+    print(tier_table(summary))
+    for line in tier_goals(summary):
+        print(line)
+    if args.png:
+        tier_png(summary, args.png)
         print(f"chart: {args.png}")
     return 0
 

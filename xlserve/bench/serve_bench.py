@@ -6,6 +6,7 @@ decode workers, and two workers under round_robin vs cache_aware vs session affi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import secrets
 import subprocess
@@ -25,6 +26,15 @@ class Setup:
     workers: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (role, cores)
     router_flags: tuple[str, ...] = ()
     server: str = "xlserve"  # a key of LAUNCHERS
+    engine_flags: tuple[tuple[str, str, object], ...] = ()  # (EngineConfig part, field, value) set for this setup
+    kvstore: bool = False  # start 'xlserve kvstore' and point the workers' cluster tier at it
+
+    def engine(self, base: EngineConfig) -> EngineConfig:
+        parts: dict[str, dict] = {}
+        for part, name, value in self.engine_flags:
+            parts.setdefault(part, {})[name] = value
+        return dataclasses.replace(base, **{part: dataclasses.replace(getattr(base, part), **fields)
+                                            for part, fields in parts.items()})
 
 
 def setups(cores: int, peers: bool) -> list[Setup]:
@@ -54,16 +64,34 @@ def _router(urls_by_role: dict, flags, key: str) -> tuple[subprocess.Popen, str]
 
 def _launch_xlserve(setup: Setup, engine: EngineConfig, procs: list) -> str:
     key = secrets.token_hex(16)
+    engine = setup.engine(engine)
+    if setup.kvstore:
+        from xlserve.config import KVStoreConfig
+        from xlserve.kvstore.master import spawn_kvstore
+        from xlserve.launcher import free_ports
+        store = KVStoreConfig(port=free_ports(3), gib=2.0, log_level="warning")
+        procs.append((spawn_kvstore(store), None))
+        engine = dataclasses.replace(engine, tiers=dataclasses.replace(engine.tiers, kv_store_address=store.address))
     urls: dict[str, list[str]] = {}
-    for role, cores in setup.workers:
-        proc, url = start_worker(role, engine, key, "warning", list(cores))
-        procs.append((proc, url))
+    workers = []
+    for i, (role, cores) in enumerate(setup.workers):
+        proc, url = start_worker(role, _own_disk_dir(engine, i), key, "warning", list(cores))
+        workers.append((proc, url))
         urls.setdefault(role, []).append(url)
-    wait_healthy(procs)
+    procs += workers
+    wait_healthy(workers)
     router = _router(urls, setup.router_flags, key)
     procs.append(router)
     wait_healthy([router])
     return router[1]
+
+
+def _own_disk_dir(engine: EngineConfig, index: int) -> EngineConfig:
+    """Each worker of a setup keeps its disk tier in a directory of its own."""
+    if "disk" not in engine.tiers.tier_names:
+        return engine
+    return dataclasses.replace(engine, tiers=dataclasses.replace(
+        engine.tiers, kv_disk_dir=os.path.join(engine.tiers.disk_dir, f"worker-{index}")))
 
 
 LLAMA_SLOTS = 4

@@ -36,6 +36,7 @@ class TraceReplay:
     duration_s: float = 40.0  # the sampled arrivals are squeezed into this many seconds
     max_prompt_tokens: int = 4000
     seed: int = 0
+    min_turns: int = 1  # only conversations of at least this many requests (sessions that come back)
 
     def __post_init__(self):
         if self.requests < 1:
@@ -44,6 +45,8 @@ class TraceReplay:
             raise ValueError(f"length_scale must be in (0, 1]; got {self.length_scale}")
         if self.duration_s <= 0:
             raise ValueError(f"duration_s must be positive; got {self.duration_s}")
+        if self.min_turns < 1:
+            raise ValueError(f"min_turns must be at least 1; got {self.min_turns}")
         if TRACE_BLOCK_TOKENS * self.length_scale < 1:
             raise ValueError(f"length_scale {self.length_scale} leaves less than one token per trace block")
 
@@ -62,13 +65,14 @@ def load_trace(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def sample_conversations(rows: list[dict], requests: int, seed: int) -> list[int]:
-    """Indices of whole conversations picked at random until ``requests`` rows, in trace order."""
+def sample_conversations(rows: list[dict], requests: int, seed: int, min_turns: int = 1) -> list[int]:
+    """Indices of whole conversations (of ``min_turns`` requests or more) picked at random until
+    ``requests`` rows, in trace order."""
     conversations: dict[int, list[int]] = defaultdict(list)
     for i, row in enumerate(rows):
         ids = row["hash_ids"]
         conversations[ids[1] if len(ids) > 1 else -1 - i].append(i)
-    keys = list(conversations)
+    keys = [key for key, turns in conversations.items() if len(turns) >= min_turns]
     random.Random(seed).shuffle(keys)
     picked: list[int] = []
     for key in keys:
@@ -79,7 +83,7 @@ def sample_conversations(rows: list[dict], requests: int, seed: int) -> list[int
 
 
 def build_requests(rows: list[dict], replay: TraceReplay) -> tuple[list[ReplayRequest], dict]:
-    picked = sample_conversations(rows, replay.requests, replay.seed)
+    picked = sample_conversations(rows, replay.requests, replay.seed, replay.min_turns)
     block = max(1, round(TRACE_BLOCK_TOKENS * replay.length_scale))
     blocks: dict[int, list[int]] = {}
 

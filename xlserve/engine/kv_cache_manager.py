@@ -89,7 +89,8 @@ class KVCacheManager:
             self.tiers.offer_evicted([h for _, h in wanted], self._by_hash.read([i for i, _ in wanted]))
 
     def write_through(self, request: Request) -> None:
-        """Send a finished request's computed blocks to the cluster tier (those not sent before)."""
+        """Send a request's computed blocks to the cluster tier (those not sent before): once its
+        prompt is computed, and again when it finishes."""
         table = self.req_blocks.get(request.request_id)
         if self.tiers is None or not self.tiers.cluster or not table:
             return

@@ -203,6 +203,8 @@ class Scheduler:
                 continue
             tokens = sampled[s.request_id]
             req.num_computed_tokens += len(s.token_ids) - s.num_proposed + len(tokens) - 1
+            if s.start_position < len(req.prompt_token_ids) <= req.num_computed_tokens:
+                self.kv.write_through(req)  # the prompt is in: other workers may want it before the answer ends
             for i, token in enumerate(tokens, start=1):
                 req.append_token(token)
                 if s.request_id in logprobs:

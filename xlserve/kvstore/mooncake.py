@@ -40,6 +40,7 @@ def client_environment(host: str) -> None:
     if host in ("127.0.0.1", "localhost"):  # else it advertises the machine's external address
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")  # bounded: we retry on our own thread
+    os.environ.setdefault("GLOG_minloglevel", "2")  # its INFO and WARNING lines: several per connection
 
 
 def new_client(host: str, port: int, segment_bytes: int, buffer_bytes: int):
@@ -59,10 +60,11 @@ class MooncakeTier(KVTier):
 
     def __init__(self, block_bytes: int, address: str, digest: bytes):
         super().__init__(block_bytes)
-        import mooncake.store  # noqa: F401 - fail at start, with its own message, when it cannot load
-
         host, _, port = address.rpartition(":")
         self.host, self.port = host.strip("[]"), int(port)
+        client_environment(self.host)
+        import mooncake.store  # noqa: F401 - fail at start, with its own message, when it cannot load
+
         self.digest = digest
         self.value_bytes = block_bytes + SEALED_OVERHEAD
         self.batch = max(1, CLIENT_BUFFER_BYTES // 2 // self.value_bytes)
