@@ -349,7 +349,11 @@ class ServerConfig:
                               "prompt/cached/generated tokens, TTFT, duration).")
     role: str = _opt("both", "Worker role in prefill/decode disaggregation: both, prefill or decode.",
                      choices=("both", "prefill", "decode"), commands=(WORKER,))
-    kv_transport: str = _opt("tcp", "How KV blocks travel between workers.", commands=(WORKER, SERVE))
+    kv_transport: str = _opt("tcp", "How KV blocks travel between workers: 'tcp' (built in: the bytes follow the "
+                             "checked header on one connection) or 'mooncake' (the same checked exchange, the bytes "
+                             "read through Mooncake's Transfer Engine: TCP here, RDMA where it has it; needs the "
+                             "mooncake package, and a private network: its engine does not authenticate peers).",
+                             choices=("tcp", "mooncake"), commands=(WORKER, SERVE))
     kv_host: str = _opt("127.0.0.1", "Address the KV transfer server binds (prefill role).", commands=(WORKER,))
     kv_port: int = _opt(0, "Port of the KV transfer server; 0 picks a free one.", commands=(WORKER,))
     kv_peers: str = _opt("", "Comma-separated host:port of KV servers this worker may always pull from, "

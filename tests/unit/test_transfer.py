@@ -1,5 +1,6 @@
-"""The TCP KV transport between two real engines on 127.0.0.1: pins are capabilities,
-and the puller trusts nothing a peer sends (fake peers on real sockets)."""
+"""The KV transports (the built-in TCP one, Mooncake's Transfer Engine) between two real
+engines on 127.0.0.1: pins are capabilities, and the puller trusts nothing a peer sends
+(fake peers on real sockets)."""
 
 import json
 import socket
@@ -20,9 +21,30 @@ def _llm(path):
     return LLM(path, dtype="float32", kv_cache_tokens=1024)
 
 
+def _mooncake_or_skip():
+    try:
+        import mooncake.engine  # noqa: F401
+    except ImportError as e:  # the package or its system library (libibverbs1) is missing
+        pytest.skip(f"Mooncake cannot run here: {e}")
+
+
+@pytest.fixture(params=["tcp", "mooncake"])
+def any_prefill(request, tiny_llama_dir):
+    """``prefill`` behind each transport, with that transport's client."""
+    if request.param == "mooncake":
+        _mooncake_or_skip()
+    server_cls, client_cls = transport(request.param)
+    yield from _serving(tiny_llama_dir, server_cls, client_cls())
+
+
 @pytest.fixture
 def prefill(tiny_llama_dir):
     """A prefill engine holding PROMPT's blocks, its pin, and a KV server in front of it."""
+    for llm, handle, _ in _serving(tiny_llama_dir, tcp.TCPTransportServer, None):
+        yield llm, handle
+
+
+def _serving(tiny_llama_dir, server_cls, client):
     llm = _llm(tiny_llama_dir)
     llm.generate(PROMPT, SamplingParams(max_tokens=1))
     grant = llm.engine.kv.pin(llm.engine.prompt_block_hashes(PROMPT), 60)
@@ -31,28 +53,28 @@ def prefill(tiny_llama_dir):
     def export(pin_id, secret, hashes):
         with lock:
             return llm.engine.kv.export_pinned(pin_id, secret, hashes)
-    server = tcp.TCPTransportServer(export)
+    server = server_cls(export)
     address = server.start()
     handle = {**address, "pin_id": grant.pin_id, "secret": grant.secret,
               "block_hashes": [h.hex() for h in grant.block_hashes]}
-    yield llm, handle
+    yield llm, handle, client
     server.stop()
 
 
-def test_pull_over_tcp_gives_identical_output(tiny_llama_dir, prefill):
-    llm, handle = prefill
+def test_a_pull_gives_identical_output(tiny_llama_dir, any_prefill):
+    llm, handle, client = any_prefill
     decode = _llm(tiny_llama_dir)
     expected = _llm(tiny_llama_dir).generate(PROMPT, GREEDY)[0].outputs[0].token_ids
-    payload = tcp.TCPTransportClient().pull(handle, 10, decode.engine.kv.layout)
+    payload = client.pull(handle, 10, decode.engine.kv.layout)
     assert len(payload.block_hashes) == 4
     assert decode.engine.kv.import_blocks(payload) == 4
     out = decode.generate(PROMPT, GREEDY)[0]
     assert out.cached_tokens == 64 and out.outputs[0].token_ids == expected
 
 
-def test_a_pull_needs_the_pins_secret_and_gets_only_its_blocks(prefill):
-    llm, handle = prefill
-    layout, client = llm.engine.kv.layout, tcp.TCPTransportClient()
+def test_a_pull_needs_the_pins_secret_and_gets_only_its_blocks(any_prefill):
+    llm, handle, client = any_prefill
+    layout = llm.engine.kv.layout
     for bad, why in [({**handle, "secret": "0" * 32}, "no pin with that id and secret"),
                      ({**handle, "secret": ""}, "no pin"),
                      ({**handle, "pin_id": "guessed"}, "no pin"),

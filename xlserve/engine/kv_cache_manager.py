@@ -39,6 +39,7 @@ class KVCacheManager:
         self.stats = PrefixCacheStats()
         self._by_hash: KVBlockStore | None = None
         self.tiers: TieredKV | None = None
+        self.held_for_load: dict[str, list[KVBlock]] = {}  # request -> its device hit, held while tiers load the rest
 
     # -- blocks by hash (disaggregation, tiers) ---------------------------------------
     def attach(self, kv_caches: list[tuple[torch.Tensor, ...]], layout: KVLayout,
@@ -103,20 +104,27 @@ class KVCacheManager:
 
     def start_load(self, request: Request):
         """Ask the tiers for the blocks of the request's prefix that follow its device hit;
-        a ``Future`` of a ``TierLoad``, or None when there is nothing to ask."""
+        a ``Future`` of a ``TierLoad``, or None when there is nothing to ask. The device hit
+        is held until ``finish_load``: the load's own blocks must not evict it."""
         hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
-        hit = 0
-        while hit < len(hashes) and self.pool.lookup(hashes[hit]) is not None:
-            hit += 1
-        return self.tiers.lookup(hashes[hit:])
+        hit = []
+        while len(hit) < len(hashes) and (block := self.pool.lookup(hashes[len(hit)])) is not None:
+            hit.append(block)
+        future = self.tiers.lookup(hashes[len(hit):])
+        if future is not None:
+            self.pool.touch(hit)
+            self.held_for_load[request.request_id] = hit
+        return future
 
-    def finish_load(self, load: TierLoad) -> int:
-        """Put what a tier lookup fetched into the pool (published, evictable); returns the
-        blocks now cached."""
-        if not load.hashes:
-            return 0
-        self.tiers.known_in_cluster(load.in_cluster)
-        return self._by_hash.import_(KVPayload(self.layout, load.hashes, load.data))
+    def finish_load(self, request: Request, load: TierLoad | None) -> int:
+        """Put what a tier lookup fetched (None: nothing arrived in time) into the pool,
+        published and evictable, and let go of the device hit; returns the blocks loaded."""
+        loaded = 0
+        if load is not None and load.hashes:
+            self.tiers.known_in_cluster(load.in_cluster)
+            loaded = self._by_hash.import_(KVPayload(self.layout, load.hashes, load.data))
+        self.pool.free(list(reversed(self.held_for_load.pop(request.request_id, []))))
+        return loaded
 
     def events_since(self, since: int, epoch: str) -> dict:
         """Block-hash events (stored / removed) after ``since``, or a snapshot."""

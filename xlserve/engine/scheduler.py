@@ -20,6 +20,8 @@ from xlserve.engine.kv_groups import KVGroup
 from xlserve.engine.request import FinishReason, Request, RequestStatus
 from xlserve.sampling_params import SamplingParams
 
+LOAD_AT_ONCE_S = 0.005  # a tier load that takes longer waits off the queue while others run
+
 
 @dataclass(frozen=True)
 class ScheduledRequest:
@@ -135,9 +137,14 @@ class Scheduler:
 
     # -- KV tiers: a request whose prefix a tier holds waits for it off the queue ----------
     def _start_load(self, req: Request) -> bool:
+        """Ask the tiers for the request's prefix; True when it must wait off the queue (a load
+        that arrives at once, as host memory's does, is taken now)."""
         req.tiers_asked = True
         future = self.kv.start_load(req)
         if future is None:
+            return False
+        if wait([future], LOAD_AT_ONCE_S).done:
+            self.kv.finish_load(req, future.result() if future.exception() is None else None)
             return False
         self.waiting.popleft()
         self.loading[req.request_id] = (req, future, time.monotonic() + self.kv.tiers.timeout)
@@ -152,11 +159,11 @@ class Scheduler:
                 continue
             del self.loading[request_id]
             back.append(req)
+            arrived = future.done() and not future.cancelled() and future.exception() is None
             if not future.done():
                 self.num_tier_timeouts += 1
                 future.cancel()  # a load still running finishes into nothing
-            elif not future.cancelled() and future.exception() is None:
-                self.kv.finish_load(future.result())
+            self.kv.finish_load(req, future.result() if arrived else None)
         for req in reversed(back):
             self.waiting.appendleft(req)
 
@@ -223,7 +230,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.loading.pop(request_id, None)
+        if self.loading.pop(request_id, None) is not None:
+            self.kv.finish_load(req, None)
         if reason != FinishReason.ERROR:  # an error's blocks may be half-written
             self.kv.write_through(req)
         self.kv.free(req)

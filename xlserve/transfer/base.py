@@ -44,7 +44,8 @@ class KVTransportClient(ABC):
         ``timeout`` seconds in all; raises ``TransferError``."""
 
 
-TRANSPORTS = {"tcp": ("xlserve.transfer.tcp", "TCPTransportServer", "TCPTransportClient")}
+TRANSPORTS = {"tcp": ("xlserve.transfer.tcp", "TCPTransportServer", "TCPTransportClient"),
+              "mooncake": ("xlserve.transfer.mooncake", "MooncakeTransportServer", "MooncakeTransportClient")}
 
 
 def transport(name: str) -> tuple[type[KVTransportServer], type[KVTransportClient]]:

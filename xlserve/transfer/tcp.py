@@ -8,7 +8,8 @@ must name exactly the blocks asked for, in the layout asked for, with exactly th
 that layout needs (checked before a payload byte is read), and every read shares one
 deadline, so a peer that stalls mid-header or mid-payload is cut at it. The server gives
 each connection a bounded time too: an idle connection never holds a thread forever.
-Nothing is unpickled.
+Nothing is unpickled. The control exchange is shared with the Mooncake transport
+(``transfer/mooncake.py``), which moves the payload itself through Mooncake's engine.
 """
 
 from __future__ import annotations
@@ -91,26 +92,33 @@ def _hashes(value) -> list[bytes]:
 
 
 class TCPTransportServer(KVTransportServer):
+    name = "tcp"
+
     def __init__(self, export: ExportFn, host: str = "127.0.0.1", port: int = 0):
         self.export, self.host, self.port = export, host, port
         self._server: socketserver.ThreadingTCPServer | None = None
 
+    def send_payload(self, sock: socket.socket, reader: _DeadlineReader, header: dict, payload: KVPayload) -> None:
+        """The answer after the checks: the header line, then the payload's bytes."""
+        sock.sendall(json.dumps(header).encode() + b"\n")
+        sock.sendall(payload.data)
+
     def start(self) -> dict:
-        export = self.export
+        export, transport = self.export, self
 
         class Handler(socketserver.BaseRequestHandler):
             def handle(self):
                 sock: socket.socket = self.request
                 deadline = time.monotonic() + CONNECTION_TIMEOUT_S
                 try:
-                    request = _DeadlineReader(sock, deadline).line()
+                    reader = _DeadlineReader(sock, deadline)
+                    request = reader.line()
                     payload = export(str(request.get("pin_id", "")), str(request.get("secret", "")),
                                      _hashes(request.get("block_hashes")))
                     header = {"ok": True, "layout": payload.layout.to_json(), "nbytes": len(payload.data),
                               "block_hashes": [h.hex() for h in payload.block_hashes]}
                     sock.settimeout(max(0.1, deadline - time.monotonic()))
-                    sock.sendall(json.dumps(header).encode() + b"\n")
-                    sock.sendall(payload.data)
+                    transport.send_payload(sock, reader, header, payload)
                 except Exception as e:  # answer the peer instead of dropping it
                     log.warning("KV pull from %s refused: %s", self.client_address, e)
                     try:
@@ -124,7 +132,7 @@ class TCPTransportServer(KVTransportServer):
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         threading.Thread(target=self._server.serve_forever, name="kv-transfer", daemon=True).start()
-        return {"transport": "tcp", "host": self.host, "port": self.port}
+        return {"transport": self.name, "host": self.host, "port": self.port}
 
     def stop(self) -> None:
         if self._server is not None:
@@ -134,6 +142,10 @@ class TCPTransportServer(KVTransportServer):
 
 
 class TCPTransportClient(KVTransportClient):
+    def receive_payload(self, sock: socket.socket, reader: _DeadlineReader, header: dict, nbytes: int) -> bytes:
+        """The payload's ``nbytes`` bytes, after the header passed every check."""
+        return reader.exactly(nbytes)
+
     def pull(self, handle: dict, timeout: float, layout: KVLayout) -> KVPayload:
         deadline = time.monotonic() + timeout
         try:
@@ -151,7 +163,7 @@ class TCPTransportClient(KVTransportClient):
                 if not header.get("ok"):
                     raise TransferError(f"peer refused: {header.get('error', 'no reason given')}")
                 nbytes = _check_header(header, asked, layout)
-                return KVPayload(layout, asked, reader.exactly(nbytes))
+                return KVPayload(layout, asked, self.receive_payload(sock, reader, header, nbytes))
         except TransferError:
             raise
         except (OSError, ValueError, TypeError, KeyError) as e:
