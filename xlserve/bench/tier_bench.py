@@ -36,7 +36,7 @@ def tier_setups(device_tokens: int, host_gib: float, disk_dir: str, cores: int) 
         Setup(CLUSTER, (("both", one), ("both", two)), ("--policy", "round_robin", "--no-affinity"),
               engine_flags=host + (("tiers", "kv_tiers", "host,mooncake"),), kvstore=True),
         Setup(AFFINITY, (("both", one), ("both", two)), ("--policy", "cache_aware"), engine_flags=host),
-        Setup(IDEAL, (("both", both),), colocated, engine_flags=(("cache", "kv_cache_tokens", 1 << 18),)),
+        Setup(IDEAL, (("both", both),), colocated, engine_flags=(("cache", "kv_cache_tokens", 1 << 16),)),
     ]
 
 
