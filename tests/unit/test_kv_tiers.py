@@ -152,3 +152,17 @@ def test_a_session_evicted_to_host_then_disk_comes_back_identical(tiny_llama_dir
     stats = tiers.stats()["tiers"]
     assert stats["disk"]["hits"] > 0 and stats["host"]["hits"] + stats["disk"]["hits"] == 6
     assert llm.engine.stats()["kv_blocks_used"] == 0 and llm.engine.stats()["num_loading"] == 0
+
+
+def test_a_tier_slower_than_computing_is_passed_over_but_probed(tmp_path):
+    disk = DiskTier(64, str(tmp_path), 1.0, DIGEST)
+    tiers = TieredKV([disk], timeout=2.0, block_size=16)
+    disk.put(_keys(2), list(_blocks(2)))
+    tiers.costs.computed(tokens=1000, seconds=0.001)  # 1 µs a token: 16 µs a block
+    tiers.costs.read("disk", blocks=1, seconds=0.01)  # 10 ms a block
+    loads = [tiers.lookup(_keys(2)).result(timeout=5) for _ in range(16)]
+    assert [len(load.hashes) for load in loads].count(2) == 1  # one lookup in 16 probes it
+    assert tiers.stats()["tiers"]["disk"]["skipped"] == 15
+    tiers.costs.computed(tokens=1000, seconds=100.0)  # computing got slow (a big model): the disk pays again
+    assert len(tiers.lookup(_keys(2)).result(timeout=5).hashes) == 2
+    tiers.close()

@@ -214,7 +214,11 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if not sched_out.scheduled:
             self.scheduler.wait_for_loads(0.01)  # only tier loads are pending: don't spin
+        started = time.monotonic()
         runner_out = self._execute(sched_out)
+        if self.kv.tiers is not None:  # what computing a prompt token costs, against what loading it does
+            prompt_tokens = sum(len(s.token_ids) for s in sched_out.scheduled if len(s.token_ids) > 1)
+            self.kv.tiers.costs.computed(prompt_tokens, time.monotonic() - started)
         if runner_out.decode_path is not None:
             self.steps_by_path[runner_out.decode_path] += 1
         outputs += [out for rid, why in runner_out.errors.items() if (out := self._fail(rid, why))]

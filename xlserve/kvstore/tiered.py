@@ -5,7 +5,8 @@ write-through to the cluster tier, and batched read-through lookups off the engi
   and goes on; a writer thread per destination stores them. Local tiers cascade: what the
   first evicts goes to the second (host -> disk). The queue is bounded in bytes; when it is
   full the write is dropped and counted, so a slow disk or store never stalls a step.
-- Reads: ``lookup`` finds, in one batched ``contains`` per tier, the longest run of a hash
+- Reads: ``lookup`` finds, in one batched ``contains`` per tier (a tier measured slower
+  than computing the blocks is passed over: ``load_cost.py``), the longest run of a hash
   chain the tiers hold (each block from the first tier that has it), fetches it, and
   returns it as one payload through a future. The engine waits for it at most
   ``--kv-tier-timeout`` seconds and computes whatever did not arrive.
@@ -26,6 +27,7 @@ import numpy as np
 from xlserve.config import KVTierConfig
 from xlserve.hashing import BlockHash
 from xlserve.kvstore.base import KVTier, block_key, layout_digest, tier_class
+from xlserve.kvstore.load_cost import LoadCosts
 
 log = logging.getLogger(__name__)
 MAX_PENDING_BYTES = 512 * 1024 ** 2  # queued writes, all destinations: past it writes are dropped
@@ -91,13 +93,15 @@ class _Budget:
 
 
 class TieredKV:
-    def __init__(self, tiers: list[KVTier], timeout: float, max_pending_bytes: int = MAX_PENDING_BYTES):
+    def __init__(self, tiers: list[KVTier], timeout: float, max_pending_bytes: int = MAX_PENDING_BYTES,
+                 block_size: int = 16):
         if not tiers:
             raise ValueError("TieredKV needs at least one tier")
         self.tiers = tiers
         self.local = [t for t in tiers if t.local]
         self.cluster = [t for t in tiers if not t.local]
         self.timeout = timeout
+        self.costs = LoadCosts(block_size)  # tiers measured slower than computing are passed over
         self.block_bytes = tiers[0].block_bytes
         self.dropped_writes = 0  # blocks not queued: the write budget was spent
         self._pending = _Budget(max_pending_bytes)
@@ -187,9 +191,10 @@ class TieredKV:
     def _load(self, hashes: list[BlockHash]) -> TierLoad:
         keys = [block_key(h) for h in hashes]
         source: list[KVTier | None] = [None] * len(keys)
+        probe = self.costs.start_lookup()
         for tier in self.tiers:
             missing = [i for i, s in enumerate(source) if s is None]
-            if not missing or not tier.enabled:
+            if not missing or not tier.enabled or not self.costs.worth_reading(tier.name, probe):
                 continue
             try:
                 for i, held in zip(missing, tier.contains([keys[i] for i in missing])):
@@ -209,7 +214,9 @@ class TieredKV:
                 tier.stats.add(failures=1)
                 log.warning("KV tier %s: read failed; treated as a miss", tier.name, exc_info=True)
                 got = [None] * len(at)
-            tier.stats.add(load_seconds=time.monotonic() - started)
+            elapsed = time.monotonic() - started
+            tier.stats.add(load_seconds=elapsed)
+            self.costs.read(tier.name, sum(1 for b in got if b is not None), elapsed)
             for i, block in zip(at, got):
                 blocks[i] = block
         run = next((i for i, b in enumerate(blocks) if b is None), run)
@@ -224,7 +231,7 @@ class TieredKV:
     # -- the rest ----------------------------------------------------------------
     def stats(self) -> dict:
         tiers = {t.name: {**t.stats.as_dict(), "blocks": t.num_blocks, "capacity_blocks": t.capacity_blocks,
-                          "enabled": t.enabled} for t in self.tiers}
+                          "enabled": t.enabled, "skipped": self.costs.skipped.get(t.name, 0)} for t in self.tiers}
         return {"tiers": tiers, "pending_write_bytes": self._pending.used, "dropped_writes": self.dropped_writes}
 
     def close(self) -> None:
@@ -251,4 +258,4 @@ def build_tiers(config: KVTierConfig, layout) -> TieredKV | None:
             tier.close()
         raise
     log.info("KV tiers: %s", ", ".join(f"{t.name} ({t.capacity_blocks} blocks)" for t in tiers))
-    return TieredKV(tiers, config.kv_tier_timeout)
+    return TieredKV(tiers, config.kv_tier_timeout, block_size=layout.block_size)

@@ -55,6 +55,8 @@ TIER_METRICS = (
     ("evictions", "xlserve_kv_tier_evicted_blocks", "Blocks the tier dropped to make room", COUNTER),
     ("dropped", "xlserve_kv_tier_dropped_blocks", "Blocks offered to the tier and not stored", COUNTER),
     ("failures", "xlserve_kv_tier_failures", "Faults met: corrupt blocks, I/O errors, an unreachable store", COUNTER),
+    ("skipped", "xlserve_kv_tier_skipped_lookups", "Lookups that passed the tier over: reading its blocks was "
+     "measured slower than computing them", COUNTER),
     ("blocks", "xlserve_kv_tier_blocks", "Blocks the tier holds", GAUGE),
     ("capacity_blocks", "xlserve_kv_tier_capacity_blocks", "Blocks the tier holds when full", GAUGE),
     ("enabled", "xlserve_kv_tier_enabled", "1 while the tier serves, 0 after a fault took it out", GAUGE),
