@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     _add_engine_args(g, "generate")
     g.set_defaults(func=cmd_generate)
-    text = ("run a Mooncake Store for the 'mooncake' KV tier: its master (with the built-in metadata server) "
+    text = ("run a Mooncake Store for the 'mooncake' KV tier: its master and HTTP metadata server (no etcd) "
             "supervised and restarted if it exits, and the store's memory; until Ctrl-C")
     k = sub.add_parser("kvstore", help=text, description=text[0].upper() + text[1:] + ". Workers reach it with "
                        "--kv-tiers ...,mooncake --kv-store-address HOST:PORT.")

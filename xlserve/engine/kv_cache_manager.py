@@ -84,6 +84,12 @@ class KVCacheManager:
         self.pool.on_evict = self._write_back
         tiers.attach_events(self.pool.events)
 
+    def detach_tiers(self) -> TieredKV | None:
+        """The pool stops offering blocks to the tiers; returns them (the caller closes them)."""
+        tiers, self.tiers = self.tiers, None
+        self.pool.on_evict = None
+        return tiers
+
     def _write_back(self, evicted: list[tuple[int, BlockHash]]) -> None:
         wanted = [e for e, want in zip(evicted, self.tiers.wants_evicted([h for _, h in evicted])) if want]
         if wanted:

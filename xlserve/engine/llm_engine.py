@@ -131,9 +131,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the other ranks (a no-op with one); the engine is unusable after."""
-        if getattr(self, "kv", None) is not None and self.kv.tiers is not None:
-            tiers, self.kv.tiers = self.kv.tiers, None
-            self.kv.pool.on_evict = None
+        if getattr(self, "kv", None) is not None and (tiers := self.kv.detach_tiers()) is not None:
             tiers.close()
         if self.ranks is not None:
             ranks, self.ranks = self.ranks, None

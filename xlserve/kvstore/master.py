@@ -1,12 +1,15 @@
 """``xlserve kvstore``: a Mooncake Store for the cluster KV tier, supervised.
 
-It runs the Mooncake master (``mooncake_master`` from the ``mooncake`` package, with its
-built-in HTTP metadata server, so no etcd) and mounts the store's memory itself, so
-workers are pure clients and a worker that exits takes no blocks with it. Ports: the
-master's RPC on ``--port``, the metadata server on the next one, its metrics on the one
-after; all bound to ``--host`` (127.0.0.1 unless told otherwise: the store has no
-authentication of its own, so keep it on a private network). A master that exits is
-restarted (the memory clients reconnect by themselves); Ctrl-C or SIGTERM stops it all.
+It runs the Mooncake master (``mooncake_master`` from the ``mooncake`` package) and its
+HTTP metadata server (no etcd), and mounts the store's memory itself, so workers are pure
+clients and a worker that exits takes no blocks with it. Ports: the master's RPC on
+``--port``, the metadata server on the next one, the master's metrics on the one after;
+all bound to ``--host`` (127.0.0.1 unless told otherwise: the store has no authentication
+of its own, so keep it on a private network). The metadata server is the package's own
+(``mooncake.http_metadata_server``) rather than the master's built-in one, because the
+built-in one listens on every interface whatever ``--http_metadata_server_host`` says
+(measured with mooncake 0.3.13). A process that exits is restarted (the memory clients
+reconnect by themselves); Ctrl-C or SIGTERM stops it all.
 """
 
 from __future__ import annotations
@@ -37,11 +40,14 @@ def master_binary() -> Path:
     return path
 
 
-def master_command(opts: KVStoreConfig) -> list[str]:
-    return [str(master_binary()), f"--rpc_address={opts.host}", f"--rpc_port={opts.port}",
-            "--enable_http_metadata_server=true", f"--http_metadata_server_host={opts.host}",
-            f"--http_metadata_server_port={opts.port + 1}", f"--metrics_host={opts.host}",
-            f"--metrics_port={opts.port + 2}"]
+def commands(opts: KVStoreConfig) -> dict[str, list[str]]:
+    """The store's processes: the master and its metadata server."""
+    return {
+        "master": [str(master_binary()), f"--rpc_address={opts.host}", f"--rpc_port={opts.port}",
+                   f"--metrics_host={opts.host}", f"--metrics_port={opts.port + 2}"],
+        "metadata server": [sys.executable, "-m", "mooncake.http_metadata_server", "--host", opts.host,
+                            "--port", str(opts.port + 1), "--log-level", "WARNING"],
+    }
 
 
 def port_open(host: str, port: int) -> bool:
@@ -50,12 +56,12 @@ def port_open(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
-def wait_ready(host: str, port: int, timeout: float = READY_TIMEOUT_S, proc: subprocess.Popen | None = None) -> None:
+def wait_ready(host: str, port: int, timeout: float = READY_TIMEOUT_S, procs: list[subprocess.Popen] = ()) -> None:
     """Until the master's RPC and metadata ports accept connections."""
     deadline = time.monotonic() + timeout
     while not (port_open(host, port) and port_open(host, port + 1)):
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the Mooncake master exited with code {proc.returncode} while starting")
+        if any(proc.poll() is not None for proc in procs):
+            raise RuntimeError("a Mooncake store process exited while starting")
         if time.monotonic() > deadline:
             raise RuntimeError(f"the Mooncake master at {host}:{port} did not answer within {timeout:g} s")
         time.sleep(0.1)
@@ -66,15 +72,16 @@ class KVStore:
 
     def __init__(self, opts: KVStoreConfig):
         self.opts = opts
-        self.proc: subprocess.Popen | None = None
+        self.procs: dict[str, subprocess.Popen] = {}
         self.segments = []  # Mooncake clients holding the memory
         self.restarts = 0
         self._stop = threading.Event()
 
     def start(self) -> None:
         client_environment(self.opts.host)
-        self._spawn()
-        wait_ready(self.opts.host, self.opts.port, proc=self.proc)
+        for name in commands(self.opts):
+            self._spawn(name)
+        wait_ready(self.opts.host, self.opts.port, procs=list(self.procs.values()))
         remaining = self.opts.gib
         while remaining > 0:
             gib = min(remaining, SEGMENT_GIB_MAX)
@@ -86,22 +93,23 @@ class KVStore:
         log.info("Mooncake store on %s (metadata http://%s:%d/metadata): %g GiB", self.opts.address,
                  self.opts.host, self.opts.port + 1, self.opts.gib)
 
-    def _spawn(self) -> None:
+    def _spawn(self, name: str) -> None:
         from xlserve.supervisor import die_with_parent
 
-        self.proc = subprocess.Popen(master_command(self.opts), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     preexec_fn=die_with_parent)
+        self.procs[name] = subprocess.Popen(commands(self.opts)[name], stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
 
     def supervise(self) -> None:
-        """Restart the master whenever it exits, until ``stop``."""
+        """Restart the master or the metadata server whenever it exits, until ``stop``."""
         while not self._stop.wait(0.5):
-            if self.proc.poll() is None:
-                continue
-            self.restarts += 1
-            log.warning("the Mooncake master exited (code %s); restarting it (restart %d)", self.proc.returncode,
-                        self.restarts)
-            time.sleep(min(5.0, 0.5 * self.restarts))
-            self._spawn()
+            for name, proc in list(self.procs.items()):
+                if proc.poll() is None:
+                    continue
+                self.restarts += 1
+                log.warning("the Mooncake %s exited (code %s); restarting it (restart %d)", name, proc.returncode,
+                            self.restarts)
+                time.sleep(min(5.0, 0.5 * self.restarts))
+                self._spawn(name)
 
     def stop(self) -> None:
         self._stop.set()
@@ -111,13 +119,15 @@ class KVStore:
             except Exception:  # noqa: BLE001 - stopping anyway
                 pass
         self.segments = []
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
             try:
-                self.proc.wait(timeout=5)
+                proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                proc.kill()
+                proc.wait()
 
 
 def run_kvstore(opts: KVStoreConfig) -> None:

@@ -31,7 +31,7 @@ RPC_FAIL = -900  # the master did not answer (other failures: a full store, whic
 
 
 def metadata_url(host: str, port: int) -> str:
-    """The master's built-in HTTP metadata server: on the port after its RPC port."""
+    """The store's HTTP metadata server: on the port after the master's RPC port (``master.py``)."""
     return f"http://{host}:{port + 1}/metadata"
 
 
