@@ -44,12 +44,17 @@ def running_server(*args: str, timeout: float = 180.0, command: str = "worker", 
             time.sleep(0.3)
         yield url
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGINT (a graceful stop), then SIGKILL after 20 s."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def metric(url: str, name: str) -> float:

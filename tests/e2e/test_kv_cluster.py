@@ -14,7 +14,10 @@ import openai
 import psutil
 import pytest
 
-from tests.e2e.server_process import free_port, metric, running_server
+from tests.e2e.server_process import free_port, metric, running_server, stop
+from xlserve.config import KVStoreConfig
+from xlserve.kvstore.master import spawn_kvstore
+from xlserve.launcher import free_ports
 
 try:
     import mooncake.store  # noqa: F401
@@ -29,26 +32,11 @@ DEADLINE_S = 60  # no request may take longer, whatever the store does
 
 
 def _kvstore(port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "xlserve.cli", "kvstore", "--port", str(port), "--gib", "0.5",
-                             "--log-level", "warning"], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().startswith("xlserve kvstore: Mooncake store ready")
-    return proc
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    return spawn_kvstore(KVStoreConfig(port=port, gib=0.5, log_level="warning"))
 
 
 def _store_port() -> int:
-    while True:  # the master takes port, port + 1 (metadata) and port + 2 (metrics)
-        port = free_port()
-        if port < 65000:
-            return port
+    return free_ports(3)  # the master takes port, port + 1 (metadata) and port + 2 (metrics)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +52,7 @@ def cluster():
                 _wait_for(lambda u=url: _tier_metric(u, "xlserve_kv_tier_enabled") == 1, "the tier to connect")
             yield {"store": store, "port": port, "a": a, "b": b, "router": router}
     finally:
-        _stop(store)
+        stop(store)
 
 
 def _tier_metric(url: str, name: str, tier: str = "mooncake") -> float:
@@ -158,7 +146,7 @@ def test_a_worker_whose_master_is_down_at_start_serves_and_joins_when_it_comes_u
         try:
             _wait_for(lambda: _tier_metric(url, "xlserve_kv_tier_enabled") == 1, "the tier to connect", timeout=30)
         finally:
-            _stop(store)
+            stop(store)
     assert not [p for p in psutil.process_iter(["name"]) if p.info["name"] == "mooncake_master"
                 and p.ppid() == os.getpid()]
 
