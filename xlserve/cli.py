@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from xlserve.cli_args import add_config_args, config_from_args
@@ -25,6 +26,7 @@ from xlserve.config import (
     ServerConfig,
     SpeculativeConfig,
     SupervisorConfig,
+    read_key,
     resolve_keys,
 )
 
@@ -95,9 +97,15 @@ def cmd_router(args) -> int:
     opts = RouterOptions(prefill=tuple(args.prefill), decode=tuple(args.decode), both=tuple(args.both),
                          policy=args.policy, affinity=not args.no_affinity, model=args.model,
                          chat_template=args.chat_template,
-                         worker_api_key=server.internal_api_key)
+                         worker_api_key=server.internal_api_key,
+                         backend_api_key=_backend_key(args.backend_api_key_file))
     run_router(opts, server)
     return 0
+
+
+def _backend_key(path: str, environ=os.environ) -> str:
+    """The foreign servers' key, from a file or XLSERVE_BACKEND_API_KEY: never a flag's value."""
+    return read_key(path, "backend key") if path else environ.get("XLSERVE_BACKEND_API_KEY", "")
 
 
 def cmd_kvstore(args) -> int:
@@ -147,9 +155,15 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("router", help="the front door: OpenAI API over prefill/decode workers",
                        description="Route OpenAI-compatible requests over workers: prefill on one, KV hand-off, "
                                    "decode on another; cache-aware, token-aware, x-session-affinity.")
-    r.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="prefill workers")
+    kinds = ("URL: an xlserve worker, or a foreign server named by a prefix: openai+http://H:P (any "
+             "OpenAI-compatible server, --both), vllm-pd+http://H:P and sglang-pd+http://H:P[?bootstrap_port=N] "
+             "(their disaggregated prefill and decode servers)")
+    r.add_argument("--prefill", nargs="*", default=[], metavar="URL", help=f"prefill workers. {kinds}")
     r.add_argument("--decode", nargs="*", default=[], metavar="URL", help="decode workers")
     r.add_argument("--both", nargs="*", default=[], metavar="URL", help="colocated workers (prefill and decode)")
+    r.add_argument("--backend-api-key-file", default="", metavar="FILE",
+                   help="file whose first line is the key foreign servers want (else XLSERVE_BACKEND_API_KEY); "
+                        "they never see the internal key")
     r.add_argument("--policy", default="cache_aware", choices=("round_robin", "least_tokens", "cache_aware"),
                    help="how workers are picked")
     r.add_argument("--no-affinity", action="store_true", help="ignore the x-session-affinity header")

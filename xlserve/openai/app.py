@@ -88,11 +88,12 @@ async def until_disconnected(request: Request, work):
 
 
 def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
-              request_hook=None, response_headers=None, title: str = "xlserve worker") -> FastAPI:
+              request_hook=None, response_headers=None, title: str = "xlserve worker", dispatch=None) -> FastAPI:
     """The OpenAI-compatible app. ``internal``: add the disaggregation endpoints (workers);
     ``request_hook(request)``: called first on each generation request (the router reads
     its session header there); ``response_headers()``: extra response headers (the router
-    names the workers it routed to)."""
+    names the workers it routed to); ``dispatch(request, body, req, prepared, local)``: the
+    router's choice of server for a parsed request, ``local()`` being this app's own path."""
     app = FastAPI(title=title, docs_url=None, redoc_url=None)
     logging.getLogger("xlserve.requests").disabled = not config.log_requests
     hosts = allowed_hosts(config.host, config.allowed_hosts)
@@ -117,12 +118,15 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
             req = parse_json(body, model)
             return req, handler.prepare(req)
         req, prepared = await state.preprocessor.run(parse_and_prepare, len(body))
-        work = handler.stream(req, prepared) if req.stream else handler.complete(req, prepared)
-        result = await until_disconnected(request, work)  # a refusal raises here, before any byte
-        headers = response_headers() if response_headers else None
-        if req.stream:
-            return EventStreamResponse(result, headers=headers)
-        return JSONResponse(result, headers=headers)
+
+        async def local():
+            work = handler.stream(req, prepared) if req.stream else handler.complete(req, prepared)
+            result = await until_disconnected(request, work)  # a refusal raises here, before any byte
+            headers = response_headers() if response_headers else None
+            if req.stream:
+                return EventStreamResponse(result, headers=headers)
+            return JSONResponse(result, headers=headers)
+        return await (dispatch(request, body, req, prepared, local) if dispatch is not None else local())
 
     def endpoint(model: type[BaseModel], handler):
         async def handle(request: Request):

@@ -19,11 +19,13 @@ from xlserve.loader.tokenizer import load_model_tokenizer, prompt_token_ids
 from xlserve.openai.app import build_app
 from xlserve.openai.errors import error_body
 from xlserve.openai.serving_common import WorkerState
+from xlserve.router.dispatch import Dispatcher
+from xlserve.router.faults import NoWorker, WorkerFailed
 from xlserve.router.index import PrefixIndex
 from xlserve.router.metrics import RouterMetrics
 from xlserve.router.policies import make_policy
 from xlserve.router.pool import WorkerPool
-from xlserve.router.remote_engine import SERVED_BY, SESSION, NoWorker, RemoteEngine, WorkerFailed
+from xlserve.router.remote_engine import SERVED_BY, SESSION, RemoteEngine
 
 log = logging.getLogger("xlserve.router")
 SESSION_HEADER = "x-session-affinity"
@@ -39,6 +41,7 @@ class RouterOptions:
     model: str = "default"
     chat_template: str = ""  # a Jinja file instead of the model's template
     worker_api_key: str = ""
+    backend_api_key: str = ""  # what foreign servers (openai+, vllm-pd+, sglang-pd+ URLs) want; never the internal key
     health_interval: float = 2.0
 
 
@@ -57,11 +60,11 @@ class RouterFront:
 
 def build_router_app(opts: RouterOptions, config: ServerConfig):
     pool = WorkerPool(list(opts.prefill), list(opts.decode), list(opts.both), opts.worker_api_key,
-                      config.worker_timeout)
+                      config.worker_timeout, opts.backend_api_key)
     info = pool.info()
     tokenizer = load_model_tokenizer(opts.model, opts.chat_template)
     metrics = RouterMetrics(pool, info["model"], opts.policy)
-    index = PrefixIndex()
+    index = PrefixIndex(block_size=int(info["block_size"]))
     remote = RemoteEngine(pool, make_policy(opts.policy, opts.affinity, int(info["block_size"])), index,
                           info, metrics)
     state = WorkerState(RouterFront(tokenizer, info, remote), remote, metrics, info["model"])
@@ -75,7 +78,7 @@ def build_router_app(opts: RouterOptions, config: ServerConfig):
         return {"x-xlserve-served-by": ", ".join(dict.fromkeys(served))} if served else {}
 
     app = build_app(state, config, internal=False, request_hook=hook, response_headers=served_headers,
-                    title="xlserve router")
+                    title="xlserve router", dispatch=Dispatcher(remote, state.prices, info["model"], served_headers))
 
     @app.exception_handler(WorkerFailed)
     async def _worker_failed(_, e: WorkerFailed):
@@ -91,7 +94,8 @@ def build_router_app(opts: RouterOptions, config: ServerConfig):
 
     @app.get("/router/workers", dependencies=app.state.api_dependencies if config.metrics_need_key else [])
     async def workers():
-        return [{"url": w.url, "role": w.role, "healthy": w.healthy, "prefill_tokens": w.prefill_tokens,
+        return [{"url": w.url, "role": w.role, "backend": w.kind.value, "healthy": w.healthy,
+                 "model": w.info.model if w.info else None, "prefill_tokens": w.prefill_tokens,
                  "decode_tokens": w.decode_tokens, "indexed_blocks": index.blocks_on(w.url),
                  "indexed_by_tier": index.tiers_on(w.url),
                  "kv_tiers": w.engine_stats.get("kv_tiers", {})} for w in pool.workers]

@@ -20,9 +20,25 @@ TIER_WEIGHT = {DEVICE: 1.0, "host": 0.9, "disk": 0.8, CLUSTER_TIER: 0.7}
 
 
 class PrefixIndex:
-    def __init__(self, capacity: int = 1_000_000):
-        self.capacity = capacity
+    def __init__(self, capacity: int = 1_000_000, block_size: int = 16):
+        self.capacity, self.block_size = capacity, block_size
         self._where: OrderedDict[bytes, dict[str, str]] = OrderedDict()  # hash -> {url: tier}
+        # Servers that publish no KV events: the blocks routed to each, oldest first, at most
+        # as many as its cache holds (what it would have evicted by now is forgotten).
+        self._aged: dict[str, OrderedDict[bytes, None]] = {}
+        self._aged_limit: dict[str, int] = {}
+
+    def set_capacity(self, url: str, cache_tokens: int) -> None:
+        """``url`` reports no KV events; its cache holds ``cache_tokens`` tokens."""
+        self._aged_limit[url] = max(cache_tokens // self.block_size, 1)
+        self._aged.setdefault(url, OrderedDict())
+        self._age(url)
+
+    def _age(self, url: str) -> None:
+        recent, limit = self._aged[url], self._aged_limit[url]
+        while len(recent) > limit:
+            oldest, _ = recent.popitem(last=False)
+            self.remove(oldest, url)
 
     def record(self, hashes: list[bytes], url: str, tier: str = DEVICE) -> None:
         """``url`` holds these blocks in ``tier`` (the better tier wins when it holds them twice)."""
@@ -34,6 +50,12 @@ class PrefixIndex:
             if held is None or TIER_WEIGHT.get(tier, 0) >= TIER_WEIGHT.get(held, 0):
                 owners[url] = tier
             self._where[h] = owners
+        if url in self._aged:
+            recent = self._aged[url]
+            for h in hashes:
+                recent.pop(h, None)
+                recent[h] = None
+            self._age(url)
         while len(self._where) > self.capacity:
             self._where.popitem(last=False)
 

@@ -9,13 +9,21 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from xlserve.router.backend import BackendKind, WorkerAddress, parse_worker_address
+from xlserve.router.backend_probe import BackendInfo, context_of
+from xlserve.router.faults import WorkerFailed
+from xlserve.router.foreign_backends import BACKENDS
+
 log = logging.getLogger(__name__)
+XLSERVE = BackendKind.XLSERVE
 
 
 @dataclass
 class Worker:
     url: str
     role: str  # "prefill", "decode" or "both"
+    address: WorkerAddress | None = None  # its kind of server (xlserve when None) and options
+    info: BackendInfo | None = None  # a foreign server's model id and cache size, once it answered
     healthy: bool = True
     prefill_tokens: int = 0  # uncached prompt tokens of requests in prefill here
     decode_tokens: int = 0  # context tokens of requests decoding here
@@ -28,8 +36,13 @@ class Worker:
     engine_stats: dict = field(default_factory=dict)  # its engine's counters as of the last health check
 
     def forget_process(self) -> None:
-        """It may come back as a new process: with another KV port, without registrations."""
-        self.kv_server, self.peers_sent = None, None
+        """It may come back as a new process: with another KV port, without registrations,
+        (a foreign server) with another model or cache size."""
+        self.kv_server, self.peers_sent, self.info = None, None, None
+
+    @property
+    def kind(self) -> BackendKind:
+        return self.address.kind if self.address is not None else XLSERVE
 
     @property
     def load(self) -> int:
@@ -39,23 +52,56 @@ class Worker:
         return self.healthy and self.role in (stage, "both")
 
 
+def _workers(specs: list[str], role: str) -> list[Worker]:
+    workers = []
+    for spec in specs:
+        address = parse_worker_address(spec)
+        if address.kind is not XLSERVE and role not in BACKENDS[address.kind].roles:
+            raise ValueError(f"{spec}: a {address.kind.value} server can be "
+                             f"{' or '.join('--' + r for r in BACKENDS[address.kind].roles)}, not --{role}")
+        workers.append(Worker(address.url, role, address))
+    return workers
+
+
+FOREIGN_BLOCK_SIZE = 16  # the router's block for hashing prompts it sends to foreign servers
+FOREIGN_DEFAULT_CONTEXT = 131072  # when a server names no context: it refuses longer prompts itself
+
+
+def foreign_info(models: dict) -> dict:
+    """The router's facts from a foreign server's /v1/models (a pool without xlserve workers)."""
+    card = models["data"][0]
+    return {"model": str(card["id"]), "block_size": FOREIGN_BLOCK_SIZE,
+            "max_model_len": context_of(card) or FOREIGN_DEFAULT_CONTEXT,
+            "kv_extra_key": ""}
+
+
 class WorkerPool:
     def __init__(self, prefill: list[str], decode: list[str], both: list[str], api_key: str = "",
-                 worker_timeout: float = 60.0):
-        self.workers = ([Worker(u.rstrip("/"), "prefill") for u in prefill]
-                        + [Worker(u.rstrip("/"), "decode") for u in decode]
-                        + [Worker(u.rstrip("/"), "both") for u in both])
+                 worker_timeout: float = 60.0, backend_api_key: str = ""):
+        self.workers = _workers(prefill, "prefill") + _workers(decode, "decode") + _workers(both, "both")
         if not self.workers:
             raise ValueError("the router needs at least one worker: --prefill/--decode URLs or --both URLs")
-        if not any(w.role in ("prefill", "both") for w in self.workers) or \
-                not any(w.role in ("decode", "both") for w in self.workers):
-            raise ValueError("the router needs a worker for each stage: prefill (or both) and decode (or both)")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        for kind in {w.kind for w in self.workers}:  # a request starts and ends on servers of one kind
+            roles = {w.role for w in self.workers if w.kind is kind}
+            if not roles & {"prefill", "both"} or not roles & {"decode", "both"}:
+                raise ValueError(f"the router needs a {kind.value} worker for each stage: prefill (or both) "
+                                 "and decode (or both)")
         # A worker that sends nothing for worker_timeout (stopped, hung) fails the request over.
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(worker_timeout, connect=5), headers=headers)
+        timeout = httpx.Timeout(worker_timeout, connect=5)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.AsyncClient(timeout=timeout, headers=headers)
+        # Foreign servers get their own key, never the internal one.
+        self.backend_headers = {"Authorization": f"Bearer {backend_api_key}"} if backend_api_key else {}
+        self.foreign_http = httpx.AsyncClient(timeout=timeout)
+        self.backends = {kind: cls(self.foreign_http, self.backend_headers) for kind, cls in BACKENDS.items()}
 
-    def candidates(self, stage: str) -> list[Worker]:
-        return [w for w in self.workers if w.can(stage)]
+    @property
+    def xlserve_workers(self) -> list[Worker]:
+        return [w for w in self.workers if w.kind is XLSERVE]
+
+    def candidates(self, stage: str, kinds: frozenset | None = frozenset({XLSERVE})) -> list[Worker]:
+        """Healthy workers that can take ``stage``, of ``kinds`` (None: any kind)."""
+        return [w for w in self.workers if w.can(stage) and (kinds is None or w.kind in kinds)]
 
     def mark_down(self, worker: Worker, why: str) -> None:
         if worker.healthy:
@@ -65,20 +111,38 @@ class WorkerPool:
         worker.forget_process()
 
     async def check(self, worker: Worker) -> None:
-        try:
-            ok = (await self.http.get(f"{worker.url}/health", timeout=2)).status_code == 200
-        except httpx.HTTPError:
-            ok = False
+        if worker.kind is not XLSERVE:
+            ok = await self._check_foreign(worker)
+        else:
+            try:
+                ok = (await self.http.get(f"{worker.url}/health", timeout=2)).status_code == 200
+            except httpx.HTTPError:
+                ok = False
         if ok and not worker.healthy:
             log.info("worker %s is back", worker.url)
         if not ok:
             worker.forget_process()
         worker.healthy, worker.last_check = ok, time.monotonic()
 
+    async def _check_foreign(self, worker: Worker) -> bool:
+        """Up, and described (model id, cache size) since it last came up."""
+        backend = self.backends[worker.kind]
+        if not await backend.healthy(worker.url):
+            return False
+        if worker.info is None:
+            try:
+                worker.info = await backend.describe(worker.url)
+                log.info("%s server %s serves %r (cache %s tokens)", worker.kind.value, worker.url,
+                         worker.info.model, worker.info.cache_tokens or "unknown")
+            except WorkerFailed as e:
+                log.warning("%s: %s", worker.url, e)
+                return False
+        return True
+
     async def sync_kv_peers(self) -> None:
         """Tell every decode worker which KV servers it may pull from: those of the prefill
         workers (a decode worker refuses a handle naming any other address)."""
-        for w in self.workers:
+        for w in self.xlserve_workers:
             if w.healthy and w.role in ("prefill", "both") and w.kv_server is None:
                 try:
                     kv = (await self.http.get(f"{w.url}/internal/info", timeout=5)).json().get("kv")
@@ -86,7 +150,7 @@ class WorkerPool:
                 except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
                     log.debug("KV server of %s: %s", w.url, e)
         peers = frozenset(w.kv_server for w in self.workers if w.kv_server is not None)
-        for w in self.workers:
+        for w in self.xlserve_workers:
             if w.healthy and w.role in ("decode", "both") and w.peers_sent != peers:
                 body = {"peers": [{"host": h, "port": p} for h, p in sorted(peers)]}
                 try:
@@ -97,7 +161,9 @@ class WorkerPool:
                     log.debug("registering KV peers with %s: %s", w.url, e)
 
     async def poll_events(self, worker: Worker, index) -> None:
-        if not worker.healthy:
+        if not worker.healthy or worker.kind is not XLSERVE:  # foreign servers publish no KV events
+            if worker.info is not None and worker.info.cache_tokens:
+                index.set_capacity(worker.url, worker.info.cache_tokens)  # their blocks age out instead
             return
         try:
             r = await self.http.get(f"{worker.url}/internal/kv/events",
@@ -111,7 +177,7 @@ class WorkerPool:
 
     async def poll_stats(self, worker: Worker) -> None:
         """The worker's engine counters, for the router's /metrics (empty while it is down)."""
-        if not worker.healthy:
+        if not worker.healthy or worker.kind is not XLSERVE:
             worker.engine_stats = {}
             return
         try:
@@ -136,17 +202,21 @@ class WorkerPool:
         ``wait`` seconds for one to finish loading. Synchronous: it runs before the server's
         event loop, which ``self.http`` belongs to."""
         deadline, last, logged = time.monotonic() + wait, None, 0.0
+        asked = self.xlserve_workers or self.workers  # a pool of foreign servers only: theirs
         while True:
-            for w in self.workers:
+            for w in asked:
                 try:
-                    r = httpx.get(f"{w.url}/internal/info", headers=self.http.headers, timeout=5)
+                    r = httpx.get(f"{w.url}{'/internal/info' if w.kind is XLSERVE else '/v1/models'}",
+                                  headers=self.http.headers if w.kind is XLSERVE else self.backend_headers,
+                                  timeout=5)
                     if r.status_code == 200:
-                        return r.json()
+                        return r.json() if w.kind is XLSERVE else foreign_info(r.json())
                     if r.status_code in (401, 403):  # waiting will not help
-                        raise RuntimeError(f"{w.url} refuses the router's internal key ({r.status_code}); set "
-                                           "XLSERVE_INTERNAL_API_KEY or --internal-api-key-file as on the workers")
+                        raise RuntimeError(f"{w.url} refuses the router's key ({r.status_code}); set "
+                                           "XLSERVE_INTERNAL_API_KEY or --internal-api-key-file as on the workers"
+                                           if w.kind is XLSERVE else "XLSERVE_BACKEND_API_KEY as the server wants")
                     last = f"{w.url} answered {r.status_code}"
-                except httpx.HTTPError as e:
+                except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
                     last = f"{w.url}: {type(e).__name__}"
             now = time.monotonic()
             if now > deadline:

@@ -25,23 +25,18 @@ from xlserve.engine.outputs import CompletionOutput, RequestOutput
 from xlserve.engine.request import FinishReason
 from xlserve.hashing import block_hashes
 from xlserve.openai.engine_client import EngineBusy, EngineClient, RequestFailed, RequestStream
+from xlserve.router.faults import NoWorker, WorkerFailed
 from xlserve.router.index import PrefixIndex
 from xlserve.router.policies import RouteRequest, RoutingPolicy
-from xlserve.router.pool import Worker, WorkerPool
+from xlserve.router.pool import XLSERVE, Worker, WorkerPool
 from xlserve.sampling_params import SamplingParams
 from xlserve.worker.messages import GenerateResult, KVHandle, LogprobEntry, StreamEvent
 
 log = logging.getLogger(__name__)
 SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("session", default=None)
 SERVED_BY: contextvars.ContextVar[list | None] = contextvars.ContextVar("served_by", default=None)
-
-
-class WorkerFailed(Exception):
-    """A worker failed (unreachable, 5xx, broken stream, no progress in time): marked down."""
-
-
-class NoWorker(WorkerFailed):
-    """No healthy worker of a stage is left to try."""
+# The xlserve worker the dispatcher already chose for this request's prompt (router/dispatch.py).
+PINNED: contextvars.ContextVar[Worker | None] = contextvars.ContextVar("pinned", default=None)
 
 
 def worker_error(error: dict, status: int) -> Exception:
@@ -143,7 +138,7 @@ class RemoteEngine(EngineClient):
 
     def readiness_problem(self) -> str | None:
         """A stage with no healthy worker, or None."""
-        missing = [stage for stage in ("prefill", "decode") if not self.pool.candidates(stage)]
+        missing = [stage for stage in ("prefill", "decode") if not self.pool.candidates(stage, None)]
         return f"no healthy {' or '.join(missing)} worker" if missing else None
 
     def placement(self) -> dict[str, str]:
@@ -158,30 +153,40 @@ class RemoteEngine(EngineClient):
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context is {self.max_model_len}")
         # Route now, before any byte of the answer, so the response headers can name the workers.
-        served = SERVED_BY.get()
-        route = RouteRequest(block_hashes(list(prompt_ids), self.block_size, self.extra_key), len(prompt_ids),
-                             SESSION.get(), served_by=served if served is not None else [])
-        prefill = self._pick("prefill", route, set())
+        route = self.route_for(prompt_ids)
+        pinned = PINNED.get()
+        prefill = self.chosen("prefill", pinned, route) if pinned is not None and pinned.healthy \
+            else self.pick("prefill", route, set())
         single = prefill.role == "both"
-        decode = prefill if single else self._pick("decode", route, set())
+        decode = prefill if single else self.pick("decode", route, set())
         route.served_by.append(f"{'worker' if single else 'prefill'}={prefill.url}")
         if not single:
             route.served_by.append(f"decode={decode.url}")
         return RemoteStream(self._run(request_id, list(prompt_ids), params, route, prefill, decode))
 
-    def _pick(self, stage: str, route: RouteRequest, exclude: set[str]) -> Worker:
-        candidates = [w for w in self.pool.candidates(stage) if w.url not in exclude]
+    def route_for(self, prompt_ids) -> RouteRequest:
+        served = SERVED_BY.get()
+        return RouteRequest(block_hashes(list(prompt_ids), self.block_size, self.extra_key), len(prompt_ids),
+                            SESSION.get(), served_by=served if served is not None else [])
+
+    def pick(self, stage: str, route: RouteRequest, exclude: set[str], kinds=frozenset({XLSERVE}),
+              observe: bool = True) -> Worker:
+        """The policy's choice among healthy workers of ``stage`` and ``kinds`` (None: any kind)."""
+        candidates = [w for w in self.pool.candidates(stage, kinds) if w.url not in exclude]
         if not candidates:
             raise NoWorker(f"no healthy {stage} worker")
         urls = [w.url for w in candidates]
         worker = self.policy.pick(candidates, route, self.index.cache_scores(route.block_hashes, urls))
+        return self.chosen(stage, worker, route) if observe else worker
+
+    def chosen(self, stage: str, worker: Worker, route: RouteRequest) -> Worker:
         route.predicted_cached[worker.url] = self.index.cached_blocks(route.block_hashes, [worker.url])[worker.url] \
             * self.block_size
         if self.metrics is not None:
             self.metrics.observe_route(stage, worker.url)
         return worker
 
-    def _observe_cached(self, route: RouteRequest, worker: Worker, actual: int) -> None:
+    def observe_cached(self, route: RouteRequest, worker: Worker, actual: int) -> None:
         if self.metrics is not None:
             self.metrics.observe_cache(route.predicted_cached.get(worker.url, 0), actual)
 
@@ -201,7 +206,7 @@ class RemoteEngine(EngineClient):
         worker = first
         while True:
             if tried:
-                failed, worker = worker, self._pick(stage, route, tried)
+                failed, worker = worker, self.pick(stage, route, tried)
                 self._moved(route, failed, worker)
             started = False
             try:
@@ -225,7 +230,7 @@ class RemoteEngine(EngineClient):
         tried: set[str] = set()
         while True:  # retry the prefill on another worker if one fails before the first token
             if tried:
-                failed, prefill = prefill, self._pick("prefill", route, tried)
+                failed, prefill = prefill, self.pick("prefill", route, tried)
                 self._moved(route, failed, prefill)
             try:
                 first = await self._prefill(prefill, prompt_ids, params, request_id)
@@ -235,7 +240,7 @@ class RemoteEngine(EngineClient):
                 tried.add(prefill.url)
         self.index.record(route.block_hashes, prefill.url)
         acc.cached = first.cached_tokens
-        self._observe_cached(route, prefill, acc.cached)
+        self.observe_cached(route, prefill, acc.cached)
         paused = first.finish_reason == FinishReason.PAUSED  # else the answer ended with its first token
         handle, released = first.kv, set()
         try:  # however the answer ends (a client that leaves at the first token too), the pin goes
@@ -322,7 +327,7 @@ class RemoteEngine(EngineClient):
                     first_event = False
                     if event.finish_reason and route is not None:  # this worker computed the prompt
                         acc.cached = event.cached_tokens or 0
-                        self._observe_cached(route, worker, acc.cached)
+                        self.observe_cached(route, worker, acc.cached)
                     if event.kv_import and self.metrics is not None:
                         self.metrics.observe_transfer(event.kv_import.model_dump())
                     yield acc.add(event.token_ids, event.text, _logprobs(event.logprobs), _reason(event.finish_reason))

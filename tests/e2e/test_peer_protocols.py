@@ -1,0 +1,133 @@
+"""The router in front of vLLM's and SGLang's disaggregated servers, each side played from a
+recorded exchange (tests/peers/*.json, with where each came from) by a real HTTP server."""
+
+import contextlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.server_process import free_port, running_server, stop
+
+PEERS = Path(__file__).parent.parent / "peers"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@contextlib.contextmanager
+def replaying(recording: str, role: str, fail: int = 0, port: int | None = None):
+    port = port or free_port()
+    proc = subprocess.Popen([sys.executable, str(PEERS / "replay_server.py"), "--recording", str(PEERS / recording),
+                             "--role", role, "--port", str(port), "--fail", str(fail)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise
+                time.sleep(0.2)
+        yield url
+    finally:
+        stop(proc)
+
+
+def _ports_sorted_by_url(n: int) -> list[int]:
+    """Free ports ordered so that the first one's URL sorts last: the cache-aware policy
+    breaks ties by URL, so that worker is picked first."""
+    return sorted((free_port() for _ in range(n)), key=lambda p: f"http://127.0.0.1:{p}", reverse=True)
+
+
+def _received(url: str) -> list[dict]:
+    return httpx.get(f"{url}/_received").json()
+
+
+def _chat(router: str, **kw):
+    client = openai.OpenAI(base_url=f"{router}/v1", api_key="none")
+    return client.chat.completions.with_raw_response.create(model="default", messages=QUESTION, **kw)
+
+
+def _streamed(router: str) -> tuple[str, dict, httpx.Headers]:
+    raw = _chat(router, stream=True, stream_options={"include_usage": True})
+    text, usage = "", None
+    for chunk in raw.parse():
+        text += "".join(c.delta.content or "" for c in chunk.choices)
+        usage = chunk.usage.model_dump() if chunk.usage else usage
+    return text, usage, raw.headers
+
+
+@pytest.fixture(scope="module")
+def vllm_pair():
+    recording = json.loads((PEERS / "vllm_pd.json").read_text())
+    broken_port, good_port = _ports_sorted_by_url(2)
+    with replaying("vllm_pd.json", "prefill") as p, \
+            replaying("vllm_pd.json", "decode", fail=10_000, port=broken_port) as broken, \
+            replaying("vllm_pd.json", "decode", port=good_port) as good, \
+            running_server("--prefill", f"vllm-pd+{p}", "--decode", f"vllm-pd+{broken}", f"vllm-pd+{good}",
+                           "--log-level", "warning", command="router") as router:
+        yield {"router": router, "p": p, "broken": broken, "good": good, "recording": recording}
+
+
+def test_vllm_pd_hands_the_prefills_transfer_params_to_the_decode_and_reports_its_cache(vllm_pair):
+    rec, router = vllm_pair["recording"], vllm_pair["router"]
+    raw = _chat(router, max_tokens=16)
+    answer = raw.parse()
+    assert answer.choices[0].message.content == rec["decode"]["json"]["choices"][0]["message"]["content"]
+    assert answer.model == rec["model"]  # a pool of foreign servers only: the router serves their model id
+    # cached tokens are the prefill's (32), not the decode's count of what it pulled (41)
+    assert answer.usage.prompt_tokens_details.cached_tokens == 32
+    cost = answer.usage.model_extra["cost"]
+    assert cost["cached_input"] > 0 and cost["total"] > 0
+    served = raw.headers["x-xlserve-served-by"]
+    assert f"prefill={vllm_pair['p']}" in served and f"decode={vllm_pair['good']}" in served
+    prefill_sent = _received(vllm_pair["p"])[-1]
+    assert prefill_sent["max_tokens"] == 1 and prefill_sent["stream"] is False
+    assert prefill_sent["model"] == rec["model"]  # the server's own model id, not the client's "default"
+    decode_sent = _received(vllm_pair["good"])[-1]
+    assert decode_sent["kv_transfer_params"] == rec["prefill"]["json"]["kv_transfer_params"]
+    assert decode_sent["max_tokens"] == 16
+
+
+def test_vllm_pd_stream_is_rewritten_and_a_decode_failure_after_prefill_moves_to_another(vllm_pair):
+    rec, router = vllm_pair["recording"], vllm_pair["router"]
+    text, usage, headers = _streamed(router)
+    assert text == rec["decode"]["json"]["choices"][0]["message"]["content"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 32 and usage["completion_tokens"] == 8
+    assert f"decode={vllm_pair['good']}" in headers["x-xlserve-served-by"]
+    # the broken decode server was tried first (it sorts first), with the same transfer parameters
+    tried = _received(vllm_pair["broken"])
+    assert tried and all(b["kv_transfer_params"] == rec["prefill"]["json"]["kv_transfer_params"] for b in tried)
+
+
+def test_sglang_pd_sends_one_unguessable_room_to_both_sides_and_reports_the_prefills_cache():
+    with replaying("sglang_pd.json", "prefill") as p, replaying("sglang_pd.json", "decode") as d, \
+            running_server("--prefill", f"sglang-pd+{p}", "--decode", f"sglang-pd+{d}", "--log-level", "warning",
+                           command="router") as router:
+        answer = _chat(router, max_tokens=16).parse()
+        assert answer.choices[0].message.content == "Paris is the capital of France."
+        assert answer.usage.prompt_tokens_details.cached_tokens == 16  # the prefill's; the decode says 0
+        text, usage, _ = _streamed(router)
+        assert text == "Paris is the capital of France." and usage["prompt_tokens_details"]["cached_tokens"] == 16
+        to_prefill, to_decode = _received(p), _received(d)
+        assert len(to_prefill) == len(to_decode) == 2
+        for a, b in zip(to_prefill, to_decode):
+            assert a["bootstrap_room"] == b["bootstrap_room"] and a["bootstrap_host"] == "127.0.0.1"
+            assert a["bootstrap_port"] == b["bootstrap_port"] == 8998  # from the prefill's /get_server_info
+        assert to_prefill[0]["bootstrap_room"] != to_prefill[1]["bootstrap_room"]
+
+
+def test_all_decodes_failing_after_prefill_is_a_clear_retryable_error():
+    with replaying("vllm_pd.json", "prefill") as p, replaying("vllm_pd.json", "decode", fail=10_000) as d, \
+            running_server("--prefill", f"vllm-pd+{p}", "--decode", f"vllm-pd+{d}", "--log-level", "warning",
+                           command="router") as router:
+        with pytest.raises(openai.APIStatusError) as e:
+            _chat(router, max_tokens=4)
+        assert e.value.status_code == 503 and "decode" in e.value.message
+        assert httpx.get(f"{p}/health").status_code == 200 and _received(d)
