@@ -77,7 +77,9 @@ def vllm_pair():
 
 def test_vllm_pd_hands_the_prefills_transfer_params_to_the_decode_and_reports_its_cache(vllm_pair):
     rec, router = vllm_pair["recording"], vllm_pair["router"]
-    raw = _chat(router, max_tokens=16)
+    # a client's own transfer parameters never reach a server (the replay refuses any other)
+    hostile = {"kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.9.9.9", "remote_port": 1}}
+    raw = _chat(router, max_tokens=16, extra_body=hostile)
     answer = raw.parse()
     assert answer.choices[0].message.content == rec["decode"]["json"]["choices"][0]["message"]["content"]
     assert answer.model == rec["model"]  # a pool of foreign servers only: the router serves their model id
@@ -110,7 +112,7 @@ def test_sglang_pd_sends_one_unguessable_room_to_both_sides_and_reports_the_pref
     with replaying("sglang_pd.json", "prefill") as p, replaying("sglang_pd.json", "decode") as d, \
             running_server("--prefill", f"sglang-pd+{p}", "--decode", f"sglang-pd+{d}", "--log-level", "warning",
                            command="router") as router:
-        answer = _chat(router, max_tokens=16).parse()
+        answer = _chat(router, max_tokens=16, extra_body={"bootstrap_host": "10.9.9.9", "bootstrap_room": 1}).parse()
         assert answer.choices[0].message.content == "Paris is the capital of France."
         assert answer.usage.prompt_tokens_details.cached_tokens == 16  # the prefill's; the decode says 0
         text, usage, _ = _streamed(router)
@@ -121,6 +123,7 @@ def test_sglang_pd_sends_one_unguessable_room_to_both_sides_and_reports_the_pref
             assert a["bootstrap_room"] == b["bootstrap_room"] and a["bootstrap_host"] == "127.0.0.1"
             assert a["bootstrap_port"] == b["bootstrap_port"] == 8998  # from the prefill's /get_server_info
         assert to_prefill[0]["bootstrap_room"] != to_prefill[1]["bootstrap_room"]
+        assert 1 not in (to_prefill[0]["bootstrap_room"], to_decode[0]["bootstrap_room"])  # not the client's
 
 
 def test_all_decodes_failing_after_prefill_is_a_clear_retryable_error():

@@ -37,12 +37,17 @@ from xlserve.router.faults import WorkerFailed
 
 log = logging.getLogger(__name__)
 SGLANG_BOOTSTRAP_PORT = 8998  # SGLang's default --disaggregation-bootstrap-port
+# Fields that steer a server's KV hand-off: only the router sets them. From a client they
+# would make a decode server pull blocks from a host of the client's choosing, or join
+# another request's bootstrap room.
+HAND_OFF_FIELDS = frozenset({"kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"})
 
 
 def for_server(call: ForeignCall, worker, **changes) -> dict:
-    """The client's body as ``worker`` wants it: its model id, and usage in the stream
-    (the router needs it for pricing even when the client did not ask)."""
-    body = {**call.body, "model": worker.info.model if worker.info else call.body.get("model"), **changes}
+    """The client's body as ``worker`` wants it: its model id, no hand-off fields but the
+    router's, and usage in the stream (the router prices every request)."""
+    body = {k: v for k, v in call.body.items() if k not in HAND_OFF_FIELDS}
+    body.update(model=worker.info.model if worker.info else call.body.get("model"), **changes)
     if body.get("stream"):
         body["stream_options"] = {**(call.body.get("stream_options") or {}), "include_usage": True}
     return body
