@@ -110,6 +110,24 @@ def test_chats_through_the_router_report_llama_servers_cache_and_keep_the_sessio
     assert workers[behind]["prefill_tokens"] == workers[behind]["decode_tokens"] == 0  # accounting released
 
 
+def test_a_client_that_leaves_mid_stream_stops_llama_server_and_frees_the_routers_accounting(mixed_pool):
+    router, behind = mixed_pool["router"], mixed_pool["behind"]
+    session = {"x-session-affinity": _session_on(router, behind)}
+    body = {"model": MODEL, "messages": TURN_1, "max_tokens": 2000, "stream": True, "temperature": 1.0,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{router}/v1/chat/completions", json=body, headers=session, timeout=30) as r:
+        assert r.headers["x-xlserve-served-by"] == f"worker={behind}"
+        next(r.iter_lines())  # one event, then leave
+    deadline = time.monotonic() + 10
+    while True:
+        slots = httpx.get(f"{behind}/slots").json()
+        load = {w["url"]: w for w in httpx.get(f"{router}/router/workers").json()}[behind]
+        if not any(s["is_processing"] for s in slots) and load["prefill_tokens"] == load["decode_tokens"] == 0:
+            break
+        assert time.monotonic() < deadline, f"still busy after the client left: {slots}, {load}"
+        time.sleep(0.2)
+
+
 def test_a_dead_llama_server_fails_over_to_the_xlserve_worker(mixed_pool):
     router, behind = mixed_pool["router"], mixed_pool["behind"]
     session = {"x-session-affinity": _session_on(router, behind)}
