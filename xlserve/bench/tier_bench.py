@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import statistics
 import tempfile
 
 from tqdm.auto import tqdm
 
-from xlserve.bench.serve_bench import Setup, run_setup
+from xlserve.bench.serve_bench import Setup, median_rows, run_setup
 from xlserve.config import EngineConfig
 
 DEVICE_ONLY, HOST, HOST_DISK = "device only", "+ host", "+ host + disk"
@@ -58,17 +57,7 @@ def run_tier_compare(workload, total: int, device_tokens: int, host_gib: float, 
 
 def summarize_runs(rows: list[dict]) -> list[dict]:
     """Per setup: the median of each metric over the runs, and its spread (min, max)."""
-    out = []
-    for name in dict.fromkeys(r["setup"] for r in rows):
-        runs = [r for r in rows if r["setup"] == name]
-        entry = {"setup": name, "runs": len(runs), "errors": sum(r.get("errors") or 0 for r in runs)}
-        for key in METRICS:
-            values = [r[key] for r in runs if r.get(key) is not None]
-            if values:
-                entry[key] = statistics.median(values)
-                entry[key + "_spread"] = (min(values), max(values))
-        out.append(entry)
-    return out
+    return median_rows(rows, METRICS)
 
 
 def tier_table(summary: list[dict]) -> str:
