@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from xlserve.openai.pricing import PriceTable
+from xlserve.router.pool import FOREIGN_LIMITS
 
 TOOLS = [{"type": "function", "function": {
     "name": name, "description": desc,
@@ -99,7 +100,7 @@ async def run_agentic(url: str, sessions: int, turns: int, concurrency: int, max
     rng = random.Random(seed)
     result = WorkloadResult()
     gate = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=300) as client:
+    async with httpx.AsyncClient(timeout=300, limits=FOREIGN_LIMITS) as client:  # any server: no reuse
         model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
 
         async def session(i: int):

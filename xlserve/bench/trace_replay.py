@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import httpx
 
 from xlserve.bench.agentic import WorkloadResult, stream_request
+from xlserve.router.pool import FOREIGN_LIMITS
 
 TRACE_BLOCK_TOKENS = 512
 DEFAULT_TRACE = os.path.join(os.path.dirname(__file__), "traces", "mooncake_conversation_trace.jsonl.gz")
@@ -119,7 +120,7 @@ def describe(scale: dict) -> str:
 
 async def run_trace(url: str, requests: list[ReplayRequest], progress=None) -> WorkloadResult:
     result = WorkloadResult()
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with httpx.AsyncClient(timeout=600, limits=FOREIGN_LIMITS) as client:
         model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
         start = time.monotonic()
 

@@ -63,6 +63,14 @@ def _workers(specs: list[str], role: str) -> list[Worker]:
     return workers
 
 
+# Idle connections to workers are dropped before uvicorn drops them (after 5 s, httpx's own
+# default): at equal timeouts a request can go out on a connection the server is closing.
+CLIENT_LIMITS = httpx.Limits(keepalive_expiry=2.0)
+# Foreign servers get a connection per request: llama-server closes connections after a
+# streamed answer without saying so, and the next request on it failed with "Server
+# disconnected without sending a response" (a healthy server marked down). A loopback or
+# LAN connect costs well under a millisecond beside a generation.
+FOREIGN_LIMITS = httpx.Limits(max_keepalive_connections=0)
 FOREIGN_BLOCK_SIZE = 16  # the router's block for hashing prompts it sends to foreign servers
 FOREIGN_DEFAULT_CONTEXT = 131072  # when a server names no context: it refuses longer prompts itself
 
@@ -89,10 +97,10 @@ class WorkerPool:
         # A worker that sends nothing for worker_timeout (stopped, hung) fails the request over.
         timeout = httpx.Timeout(worker_timeout, connect=5)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.AsyncClient(timeout=timeout, headers=headers)
+        self.http = httpx.AsyncClient(timeout=timeout, headers=headers, limits=CLIENT_LIMITS)
         # Foreign servers get their own key, never the internal one.
         self.backend_headers = {"Authorization": f"Bearer {backend_api_key}"} if backend_api_key else {}
-        self.foreign_http = httpx.AsyncClient(timeout=timeout)
+        self.foreign_http = httpx.AsyncClient(timeout=timeout, limits=FOREIGN_LIMITS)
         self.backends = {kind: cls(self.foreign_http, self.backend_headers) for kind, cls in BACKENDS.items()}
 
     @property
