@@ -98,7 +98,8 @@ def cmd_router(args) -> int:
                          policy=args.policy, affinity=not args.no_affinity, model=args.model,
                          chat_template=args.chat_template,
                          worker_api_key=server.internal_api_key,
-                         backend_api_key=_backend_key(args.backend_api_key_file))
+                         backend_api_key=_backend_key(args.backend_api_key_file),
+                         tokenize_with=args.tokenize_with)
     run_router(opts, server)
     return 0
 
@@ -170,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--model", default="default", help="the workers' model, for the tokenizer and chat template")
     r.add_argument("--chat-template", default="", metavar="FILE",
                    help="Jinja file to use as the chat template instead of the model's own")
+    r.add_argument("--tokenize-with", default="", metavar="URL",
+                   help="a foreign server whose chat template differs from the model's: it renders each chat "
+                        "(llama-server's /apply-template, vLLM's /tokenize) and the router counts the tokens")
     add_config_args(r, ServerConfig, "server", command=ROUTER)
     r.set_defaults(func=cmd_router)
     g = sub.add_parser("generate", help="generate text for one prompt and print it",

@@ -19,6 +19,7 @@ from xlserve.loader.tokenizer import load_model_tokenizer, prompt_token_ids
 from xlserve.openai.app import build_app
 from xlserve.openai.errors import error_body
 from xlserve.openai.serving_common import WorkerState
+from xlserve.router.backend import parse_worker_address
 from xlserve.router.dispatch import Dispatcher
 from xlserve.router.faults import NoWorker, WorkerFailed
 from xlserve.router.index import PrefixIndex
@@ -26,6 +27,7 @@ from xlserve.router.metrics import RouterMetrics
 from xlserve.router.policies import make_policy
 from xlserve.router.pool import WorkerPool
 from xlserve.router.remote_engine import SERVED_BY, SESSION, RemoteEngine
+from xlserve.router.server_template import render_on_server
 
 log = logging.getLogger("xlserve.router")
 SESSION_HEADER = "x-session-affinity"
@@ -42,6 +44,7 @@ class RouterOptions:
     chat_template: str = ""  # a Jinja file instead of the model's template
     worker_api_key: str = ""
     backend_api_key: str = ""  # what foreign servers (openai+, vllm-pd+, sglang-pd+ URLs) want; never the internal key
+    tokenize_with: str = ""  # a foreign server that renders chats (its template differs from the model's)
     health_interval: float = 2.0
 
 
@@ -63,6 +66,8 @@ def build_router_app(opts: RouterOptions, config: ServerConfig):
                       config.worker_timeout, opts.backend_api_key)
     info = pool.info()
     tokenizer = load_model_tokenizer(opts.model, opts.chat_template)
+    if opts.tokenize_with:
+        render_on_server(tokenizer, parse_worker_address(opts.tokenize_with).url, pool.backend_headers)
     metrics = RouterMetrics(pool, info["model"], opts.policy)
     index = PrefixIndex(block_size=int(info["block_size"]))
     remote = RemoteEngine(pool, make_policy(opts.policy, opts.affinity, int(info["block_size"])), index,

@@ -145,7 +145,7 @@ def raise_for_answer(status: int, body: bytes, url: str) -> None:
         message = body[:300].decode("utf-8", "replace")
     if status in (401, 403):  # the router's key for it is wrong: the client can do nothing about that
         raise WorkerFailed(f"{url} refused the router's backend key ({status}): {message}")
-    if 400 <= status < 500 and status not in (408, 429):
+    if 400 <= status < 500 and status != 408:  # 429 included: busy, not broken, and the client may retry
         raise ApiError(status, f"{message} (from {url})")
     raise WorkerFailed(f"{url} answered {status}: {message}")
 

@@ -25,7 +25,7 @@ from xlserve.router.backend import ForeignCall
 from xlserve.router.faults import NoWorker, WorkerFailed
 from xlserve.router.pool import XLSERVE, Worker
 from xlserve.router.relay import Relay
-from xlserve.router.remote_engine import PINNED, SERVED_BY, RemoteEngine
+from xlserve.router.remote_engine import PINNED, RemoteEngine
 
 log = logging.getLogger(__name__)
 PATHS = {ChatCompletionRequest: "/v1/chat/completions", CompletionRequest: "/v1/completions"}
@@ -55,6 +55,7 @@ class Dispatcher:
         tried: set[str] = set()
         while True:
             worker = self.remote.pick("prefill", route, tried, kinds=None, observe=False)
+            del route.served_by[:]  # the header names the servers of the attempt that answers
             if worker.kind is XLSERVE:
                 PINNED.set(worker)
                 try:
@@ -82,9 +83,7 @@ class Dispatcher:
             answer = await until_disconnected(request, backend.open(call, worker, decode, self._retry_decode(route)))
         finally:
             worker.prefill_tokens -= uncached
-        served = SERVED_BY.get()
-        if served is not None:
-            served += answer.served
+        route.served_by.extend(answer.served)  # the list the response header reads (SERVED_BY)
         decoder = answer.decode or decode
         decoder.decode_tokens += call.prompt_tokens
 

@@ -89,7 +89,7 @@ class WorkerPool:
         self.workers = _workers(prefill, "prefill") + _workers(decode, "decode") + _workers(both, "both")
         if not self.workers:
             raise ValueError("the router needs at least one worker: --prefill/--decode URLs or --both URLs")
-        for kind in {w.kind for w in self.workers}:  # a request starts and ends on servers of one kind
+        for kind in dict.fromkeys(w.kind for w in self.workers):  # a request starts and ends on one kind
             roles = {w.role for w in self.workers if w.kind is kind}
             if not roles & {"prefill", "both"} or not roles & {"decode", "both"}:
                 raise ValueError(f"the router needs a {kind.value} worker for each stage: prefill (or both) "
