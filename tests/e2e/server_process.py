@@ -30,21 +30,26 @@ def running_server(*args: str, timeout: float = 180.0, command: str = "worker", 
     url = f"http://127.0.0.1:{port}"
     PROCESSES[url] = proc
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}: {' '.join(cmd)}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("server did not come up")
-            time.sleep(0.3)
+        wait_up(url, proc, timeout, " ".join(cmd))
         yield url
     finally:
         stop(proc)
+
+
+def wait_up(url: str, proc: subprocess.Popen, timeout: float, what: str = "server") -> None:
+    """Until ``url``/health answers 200; raises if ``proc`` exits or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not come up within {timeout:g} s")
+        time.sleep(0.3)
 
 
 def stop(proc: subprocess.Popen) -> None:

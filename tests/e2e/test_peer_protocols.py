@@ -5,14 +5,13 @@ import contextlib
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.e2e.server_process import free_port, running_server, stop
+from tests.e2e.server_process import free_port, running_server, stop, wait_up
 
 PEERS = Path(__file__).parent.parent / "peers"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -25,15 +24,7 @@ def replaying(recording: str, role: str, fail: int = 0, port: int | None = None)
                              "--role", role, "--port", str(port), "--fail", str(fail)])
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise
-                time.sleep(0.2)
+        wait_up(url, proc, 30, f"{recording} {role} replay")
         yield url
     finally:
         stop(proc)
