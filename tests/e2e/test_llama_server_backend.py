@@ -98,6 +98,7 @@ def test_chats_through_the_router_report_llama_servers_cache_and_keep_the_sessio
     assert cost["cached_input"] == pytest.approx(cached * 0.10 / 1e6) and cost["output"] > 0
     workers = {w["url"]: w for w in httpx.get(f"{router}/router/workers").json()}
     assert workers[behind]["backend"] == "openai" and workers[behind]["indexed_blocks"] > 0
+    assert workers[behind]["cache_tokens"] == 4096  # /props: one slot of 4096 tokens, what its index ages to
     assert workers[behind]["prefill_tokens"] == workers[behind]["decode_tokens"] == 0  # accounting released
 
 

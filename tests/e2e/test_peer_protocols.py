@@ -83,6 +83,8 @@ def test_vllm_pd_hands_the_prefills_transfer_params_to_the_decode_and_reports_it
     prefill_sent = _received(vllm_pair["p"])[-1]
     assert prefill_sent["max_tokens"] == 1 and prefill_sent["stream"] is False
     assert prefill_sent["model"] == rec["model"]  # the server's own model id, not the client's "default"
+    workers = {w["url"]: w for w in httpx.get(f"{router}/router/workers").json()}
+    assert workers[vllm_pair["p"]]["cache_tokens"] == 4096 * 16  # num_gpu_blocks x block_size on /metrics
     decode_sent = _received(vllm_pair["good"])[-1]
     assert decode_sent["kv_transfer_params"] == rec["prefill"]["json"]["kv_transfer_params"]
     assert decode_sent["max_tokens"] == 16
@@ -109,6 +111,8 @@ def test_sglang_pd_sends_one_unguessable_room_to_both_sides_and_reports_the_pref
         text, usage, _ = _streamed(router)
         assert text == "Paris is the capital of France." and usage["prompt_tokens_details"]["cached_tokens"] == 16
         to_prefill, to_decode = _received(p), _received(d)
+        workers = {w["url"]: w for w in httpx.get(f"{router}/router/workers").json()}
+        assert workers[p]["cache_tokens"] == 65536  # max_total_num_tokens of /get_server_info
         assert len(to_prefill) == len(to_decode) == 2
         for a, b in zip(to_prefill, to_decode):
             assert a["bootstrap_room"] == b["bootstrap_room"] and a["bootstrap_host"] == "127.0.0.1"

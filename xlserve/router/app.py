@@ -100,7 +100,8 @@ def build_router_app(opts: RouterOptions, config: ServerConfig):
     @app.get("/router/workers", dependencies=app.state.api_dependencies if config.metrics_need_key else [])
     async def workers():
         return [{"url": w.url, "role": w.role, "backend": w.kind.value, "healthy": w.healthy,
-                 "model": w.info.model if w.info else None, "prefill_tokens": w.prefill_tokens,
+                 "model": w.info.model if w.info else None,
+                 "cache_tokens": w.info.cache_tokens if w.info else None, "prefill_tokens": w.prefill_tokens,
                  "decode_tokens": w.decode_tokens, "indexed_blocks": index.blocks_on(w.url),
                  "indexed_by_tier": index.tiers_on(w.url),
                  "kv_tiers": w.engine_stats.get("kv_tiers", {})} for w in pool.workers]
