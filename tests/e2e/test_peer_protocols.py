@@ -102,23 +102,29 @@ def test_vllm_pd_stream_is_rewritten_and_a_decode_failure_after_prefill_moves_to
 
 
 def test_sglang_pd_sends_one_unguessable_room_to_both_sides_and_reports_the_prefills_cache():
-    with replaying("sglang_pd.json", "prefill") as p, replaying("sglang_pd.json", "decode") as d, \
-            running_server("--prefill", f"sglang-pd+{p}", "--decode", f"sglang-pd+{d}", "--log-level", "warning",
-                           command="router") as router:
+    broken_port, good_port = _ports_sorted_by_url(2)
+    with replaying("sglang_pd.json", "prefill") as p, replaying("sglang_pd.json", "decode", port=good_port) as d, \
+            replaying("sglang_pd.json", "decode", fail=10_000, port=broken_port) as broken, \
+            running_server("--prefill", f"sglang-pd+{p}", "--decode", f"sglang-pd+{broken}", f"sglang-pd+{d}",
+                           "--log-level", "warning", command="router") as router:
         answer = _chat(router, max_tokens=16, extra_body={"bootstrap_host": "10.9.9.9", "bootstrap_room": 1}).parse()
         assert answer.choices[0].message.content == "Paris is the capital of France."
         assert answer.usage.prompt_tokens_details.cached_tokens == 16  # the prefill's; the decode says 0
         text, usage, _ = _streamed(router)
         assert text == "Paris is the capital of France." and usage["prompt_tokens_details"]["cached_tokens"] == 16
-        to_prefill, to_decode = _received(p), _received(d)
         workers = {w["url"]: w for w in httpx.get(f"{router}/router/workers").json()}
         assert workers[p]["cache_tokens"] == 65536  # max_total_num_tokens of /get_server_info
-        assert len(to_prefill) == len(to_decode) == 2
-        for a, b in zip(to_prefill, to_decode):
-            assert a["bootstrap_room"] == b["bootstrap_room"] and a["bootstrap_host"] == "127.0.0.1"
+        # the broken decode (tried first) failed the first pair: it started again in a new room
+        to_prefill = {b["bootstrap_room"]: b for b in _received(p)}
+        to_decode, to_broken = _received(d), _received(broken)
+        assert len(to_decode) == 2 and to_broken
+        assert not {b["bootstrap_room"] for b in to_broken} & {b["bootstrap_room"] for b in to_decode}
+        for b in to_decode:
+            a = to_prefill[b["bootstrap_room"]]  # the prefill got the same room
+            assert a["bootstrap_host"] == b["bootstrap_host"] == "127.0.0.1"
             assert a["bootstrap_port"] == b["bootstrap_port"] == 8998  # from the prefill's /get_server_info
-        assert to_prefill[0]["bootstrap_room"] != to_prefill[1]["bootstrap_room"]
-        assert 1 not in (to_prefill[0]["bootstrap_room"], to_decode[0]["bootstrap_room"])  # not the client's
+        assert to_decode[0]["bootstrap_room"] != to_decode[1]["bootstrap_room"]
+        assert 1 not in to_prefill  # not the client's room
 
 
 def test_all_decodes_failing_after_prefill_is_a_clear_retryable_error():

@@ -143,17 +143,22 @@ class SglangPDBackend(OpenAIBackend):
                 "bootstrap_room": secrets.randbits(63)}
 
     async def open(self, call, worker, decode, retry_decode) -> Answer:
-        pair = self.bootstrap(worker)
-        prefill = asyncio.ensure_future(self.post(worker.url, call.path, for_server(call, worker, **pair)))
-        try:
-            answer = await self.post(decode.url, call.path, for_server(call, decode, **pair))
-        except BaseException:
-            prefill.cancel()  # the room dies with the decode: the whole pair is retried
-            await asyncio.gather(prefill, return_exceptions=True)
-            raise
+        while True:  # a decode that fails takes its room with it: the pair starts again in a new one
+            pair = self.bootstrap(worker)
+            prefill = asyncio.ensure_future(self.post(worker.url, call.path, for_server(call, worker, **pair)))
+            try:
+                answer = await self.post(decode.url, call.path, for_server(call, decode, **pair))
+                break
+            except WorkerFailed as e:
+                await _abandon(prefill)
+                decode = retry_decode(decode, str(e))
+            except BaseException:
+                await _abandon(prefill)
+                raise
         answer.prefill = asyncio.ensure_future(self._drain(prefill))
         answer.closers.append(lambda: _cancel(answer.prefill))
         answer.served += [f"prefill={worker.url}", f"decode={decode.url}"]
+        answer.decode = decode
         return answer
 
     @staticmethod
@@ -182,6 +187,13 @@ async def _cancel(task: asyncio.Future | None) -> None:
     if task is not None and not task.done():
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def _abandon(prefill: asyncio.Future) -> None:
+    """Stop a prefill whose decode failed: cancel the call, or close the answer it opened."""
+    await _cancel(prefill)
+    if not prefill.cancelled() and prefill.exception() is None:
+        await prefill.result().close()
 
 
 BACKENDS: dict[BackendKind, type[Backend]] = {b.kind: b for b in (OpenAIBackend, VllmPDBackend, SglangPDBackend)}
