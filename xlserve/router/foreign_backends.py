@@ -68,9 +68,11 @@ class OpenAIBackend(Backend):
             if response.status_code != 200:
                 raise_for_answer(response.status_code, await response.aread(), url)
             if not body.get("stream"):
-                answer = Answer(json=json.loads(await response.aread()))
+                data = json.loads(await response.aread())
                 await response.aclose()
-                return answer
+                if not isinstance(data, dict):
+                    raise WorkerFailed(f"{url} answered JSON that is not an object")
+                return Answer(json=data)
             events = sse_events(response)
             first = await events.__anext__()
             return Answer(first=first, rest=events, closers=[events.aclose, response.aclose])
