@@ -30,7 +30,7 @@ import httpx
 
 from xlserve.openai.errors import ApiError
 from xlserve.router.backend_probe import BackendInfo, probe_backend
-from xlserve.router.faults import WorkerFailed
+from xlserve.router.faults import WorkerFailed, error_of
 
 log = logging.getLogger(__name__)
 
@@ -138,11 +138,8 @@ def raise_for_answer(status: int, body: bytes, url: str) -> None:
     5xx or anything else that is not 200 is the server's."""
     if status == 200:
         return
-    try:
-        error = json.loads(body)["error"]
-        message = error.get("message", str(error)) if isinstance(error, dict) else str(error)
-    except (ValueError, KeyError, TypeError):
-        message = body[:300].decode("utf-8", "replace")
+    error = error_of(body)
+    message = error.get("message", str(error))
     if status in (401, 403):  # the router's key for it is wrong: the client can do nothing about that
         raise WorkerFailed(f"{url} refused the router's backend key ({status}): {message}")
     if 400 <= status < 500 and status != 408:  # 429 included: busy, not broken, and the client may retry
@@ -173,7 +170,7 @@ class Backend(ABC):
         return await probe_backend(self.http, url, self.headers)
 
     @abstractmethod
-    async def open(self, call: ForeignCall, worker, decode, pick_decode) -> Answer:
+    async def open(self, call: ForeignCall, worker, decode, retry_decode) -> Answer:
         """Send ``call`` to ``worker`` (and for a disaggregated pair, the decode side to
-        ``decode``; ``pick_decode(exclude)`` gives another when one fails before its
-        first event). Returns once the answer has begun."""
+        ``decode``; ``retry_decode(failed, why)`` marks a decode server that failed before
+        its first event down and gives another). Returns once the answer has begun."""

@@ -70,17 +70,18 @@ async def sglang_cache(http, url, headers) -> int | None:
 CACHE_PROBES = (llama_server_cache, vllm_cache, sglang_cache)
 
 
-def context_of(card: dict) -> int | None:
-    """vLLM puts ``max_model_len`` on the model card, llama-server ``meta.n_ctx_train``."""
+def model_card(models: dict) -> tuple[str, int | None]:
+    """The served model's id and context from a ``/v1/models`` answer (vLLM puts
+    ``max_model_len`` on the card, llama-server ``meta.n_ctx_train``); ``KeyError``,
+    ``IndexError`` or ``TypeError`` when it names no model."""
+    card = models["data"][0]
     value = card.get("max_model_len") or (card.get("meta") or {}).get("n_ctx_train")
-    return int(value) if isinstance(value, int) else None
+    return str(card["id"]), int(value) if isinstance(value, int) else None
 
 
 async def probe_backend(http: httpx.AsyncClient, url: str, headers: dict) -> BackendInfo:
-    models = await _get_json(http, f"{url}/v1/models", headers)
     try:
-        card = models["data"][0]
-        model = str(card["id"])
+        model, context = model_card(await _get_json(http, f"{url}/v1/models", headers))
     except (TypeError, KeyError, IndexError) as e:
         raise WorkerFailed(f"{url}/v1/models names no model") from e
     cache = None
@@ -88,4 +89,4 @@ async def probe_backend(http: httpx.AsyncClient, url: str, headers: dict) -> Bac
         cache = await probe(http, url, headers)
         if cache:
             break
-    return BackendInfo(model, context_of(card), cache)
+    return BackendInfo(model, context, cache)

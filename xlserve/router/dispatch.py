@@ -52,6 +52,7 @@ class Dispatcher:
         if path is None or not self.mixed:
             return await local()
         route = self.remote.route_for(prompt_ids_of(prepared))
+        call = ForeignCall(path, json.loads(body), route.prompt_tokens, self.model_name)
         tried: set[str] = set()
         while True:
             worker = self.remote.pick("prefill", route, tried, kinds=None, observe=False)
@@ -65,8 +66,7 @@ class Dispatcher:
                     continue
             self.remote.chosen("prefill", worker, route)
             try:
-                return await self.foreign(request, ForeignCall(path, json.loads(body), route.prompt_tokens,
-                                                               self.model_name), worker, route)
+                return await self.foreign(request, call, worker, route)
             except NoWorker:  # the prefill went well; no decode server of its kind is left
                 raise
             except WorkerFailed as e:

@@ -1,5 +1,19 @@
 """What goes wrong on the far side of the router, as exceptions the dispatcher acts on."""
 
+import json
+
+
+def error_of(body: bytes) -> dict:
+    """The ``error`` object of a server's OpenAI-shaped error body; else its first bytes as
+    the message."""
+    try:
+        error = json.loads(body)["error"]
+        if isinstance(error, dict):
+            return error
+    except (ValueError, KeyError, TypeError):
+        pass
+    return {"message": body[:200].decode("utf-8", "replace")}
+
 
 class WorkerFailed(Exception):
     """A worker failed (unreachable, 5xx, broken stream, no progress in time): marked down."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from xlserve.router.backend import BackendKind, WorkerAddress, parse_worker_address
-from xlserve.router.backend_probe import BackendInfo, context_of
+from xlserve.router.backend_probe import BackendInfo, model_card
 from xlserve.router.faults import WorkerFailed
 from xlserve.router.foreign_backends import BACKENDS
 
@@ -77,9 +77,8 @@ FOREIGN_DEFAULT_CONTEXT = 131072  # when a server names no context: it refuses l
 
 def foreign_info(models: dict) -> dict:
     """The router's facts from a foreign server's /v1/models (a pool without xlserve workers)."""
-    card = models["data"][0]
-    return {"model": str(card["id"]), "block_size": FOREIGN_BLOCK_SIZE,
-            "max_model_len": context_of(card) or FOREIGN_DEFAULT_CONTEXT,
+    model, context = model_card(models)
+    return {"model": model, "block_size": FOREIGN_BLOCK_SIZE, "max_model_len": context or FOREIGN_DEFAULT_CONTEXT,
             "kv_extra_key": ""}
 
 
@@ -220,9 +219,9 @@ class WorkerPool:
                     if r.status_code == 200:
                         return r.json() if w.kind is XLSERVE else foreign_info(r.json())
                     if r.status_code in (401, 403):  # waiting will not help
-                        raise RuntimeError(f"{w.url} refuses the router's key ({r.status_code}); set "
-                                           "XLSERVE_INTERNAL_API_KEY or --internal-api-key-file as on the workers"
-                                           if w.kind is XLSERVE else "XLSERVE_BACKEND_API_KEY as the server wants")
+                        hint = "XLSERVE_INTERNAL_API_KEY or --internal-api-key-file as on the workers" \
+                            if w.kind is XLSERVE else "XLSERVE_BACKEND_API_KEY as the server wants"
+                        raise RuntimeError(f"{w.url} refuses the router's key ({r.status_code}); set {hint}")
                     last = f"{w.url} answered {r.status_code}"
                 except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
                     last = f"{w.url}: {type(e).__name__}"

@@ -25,7 +25,7 @@ from xlserve.engine.outputs import CompletionOutput, RequestOutput
 from xlserve.engine.request import FinishReason
 from xlserve.hashing import block_hashes
 from xlserve.openai.engine_client import EngineBusy, EngineClient, RequestFailed, RequestStream
-from xlserve.router.faults import NoWorker, WorkerFailed
+from xlserve.router.faults import NoWorker, WorkerFailed, error_of
 from xlserve.router.index import PrefixIndex
 from xlserve.router.policies import RouteRequest, RoutingPolicy
 from xlserve.router.pool import XLSERVE, Worker, WorkerPool
@@ -62,12 +62,7 @@ def _logprobs(entries: list[LogprobEntry] | None) -> list[dict] | None:
 
 
 def answer_error(status: int, body: bytes) -> Exception:
-    try:
-        error = json.loads(body)["error"]
-        assert isinstance(error, dict)
-    except (ValueError, KeyError, TypeError, AssertionError):
-        error = {"message": body[:200].decode("utf-8", "replace")}
-    return worker_error(error, status)
+    return worker_error(error_of(body), status)
 
 
 class _Accumulator:
