@@ -13,6 +13,7 @@ from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = ("auto", "none")
 
 
 def _opt(default, help: str, secret: bool = False, **extra):
@@ -34,6 +35,10 @@ class ModelConfig:
                       "AVX512-BF16, else float32), float32, bfloat16 or float16. Greedy output is "
                       "batch-invariant in float32.", choices=DTYPES)
     device: str = _opt("auto", "Device: auto (cuda when present), cpu or cuda.", choices=DEVICES)
+    quantization: str = _opt("auto", "auto: keep a quantized file's matmul weights as stored (GGUF Q8_0, Q4_0, "
+                             "Q4_1, Q4_K, Q5_K, Q6_K; a fraction of the memory and bytes read per token) and "
+                             "compute with them; none: dequantize every weight to --dtype at load.",
+                             choices=QUANTIZATIONS)
     max_model_len: int = _opt(0, "Longest prompt + output in tokens; 0 means the model's own context length.")
     served_model_name: str = _opt("", "Name the API reports for the model; empty means derived from --model.")
     chat_template: str = _opt("", "Jinja file to use as the chat template instead of the model's own.")
@@ -49,6 +54,9 @@ class ModelConfig:
             raise ValueError("model must be a path, a .gguf file or 'default'")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization {self.quantization!r} is not supported; allowed: "
+                             f"{', '.join(QUANTIZATIONS)}")
         if self.device not in DEVICES:
             raise ValueError(f"device {self.device!r} is not supported; allowed: {', '.join(DEVICES)}")
         if self.max_model_len < 0:

@@ -222,7 +222,7 @@ def test_a_library_planted_in_a_shared_cache_is_never_loaded(kernel_cache, tmp_p
     planted = shared / "kernels" / cpu_ops.library_name(flags)
     planted.write_bytes(b"not ours")
     kernel_cache(shared)
-    built = cpu_ops._compiled(compiler, flags)
+    built = cpu_ops.compiled(compiler, flags)
     assert built != planted and built.read_bytes()[:4] == b"\x7fELF" and cpu_ops._private(built.parent)
     mine = tmp_path / "mine"  # a private cache with a group-writable file in it: rebuilt, not trusted
     kernel_cache(mine)
@@ -230,7 +230,7 @@ def test_a_library_planted_in_a_shared_cache_is_never_loaded(kernel_cache, tmp_p
     cpu_ops._cache_dir()
     stale.write_bytes(b"not ours either")
     stale.chmod(0o666)
-    assert cpu_ops._compiled(compiler, flags) == stale and stale.read_bytes()[:4] == b"\x7fELF"
+    assert cpu_ops.compiled(compiler, flags) == stale and stale.read_bytes()[:4] == b"\x7fELF"
     assert cpu_ops._private(stale) and (mine / "kernels").stat().st_mode & 0o777 == 0o700
 
 

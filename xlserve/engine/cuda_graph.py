@@ -24,10 +24,10 @@ class DecodeGraphs:
     block (outside the block pool), so they write and read nothing real; every buffer a
     replay reads is written before it, and the returned logits hold the real rows first."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, block_size: int, scratch_block: int,
-                 max_context: int):
+    def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, block_size: int,
+                 scratch_block: int, max_context: int):
         self.model = model
-        self.device = device
+        self.device, self.dtype = device, dtype
         self.block_size = block_size
         self.scratch_block = scratch_block
         self.max_context = _context_bucket(max_context, block_size)
@@ -64,10 +64,9 @@ class DecodeGraphs:
     def _forward(self, inputs: dict[str, torch.Tensor], context: int) -> torch.Tensor:
         batch = inputs["ids"].shape[0]
         slots, real, new_slots = decode_context(inputs["table"], inputs["lens"], context, self.block_size)
-        dtype = self.model.model.embed_tokens.weight.dtype
         meta = AttentionMetadata(slot_mapping=new_slots, decode_rows=torch.arange(batch, device=self.device),
                                  decode_slots=slots, decode_lens=inputs["lens"], decode_new_slots=new_slots,
-                                 decode_mask=additive_mask(real.view(batch, 1, 1, context), dtype))
+                                 decode_mask=additive_mask(real.view(batch, 1, 1, context), self.dtype))
         hidden = self.model(inputs["ids"], inputs["positions"], meta)
         return self.model.compute_logits(hidden)
 

@@ -81,7 +81,7 @@ class ModelRunner:
         self.graphs = None
         single = self.tp.size == 1 and self.stage.count == 1  # graphs do not capture the ranks' collectives
         if cuda_graphs and self.device.type == "cuda" and not self.kv_plan.windowed and single:  # group 0 only
-            self.graphs = DecodeGraphs(self.model, self.device, block_size, num_blocks,
+            self.graphs = DecodeGraphs(self.model, self.device, self.dtype, block_size, num_blocks,
                                        max_context or arch.max_position_embeddings)
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:

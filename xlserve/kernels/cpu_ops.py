@@ -57,6 +57,11 @@ def set_enabled(enabled: bool) -> None:
     _enabled = enabled
 
 
+def enabled() -> bool:
+    """False when the kernels are switched off (``XLSERVE_EAGER=1`` or ``set_enabled``)."""
+    return _enabled
+
+
 def _private(path: Path) -> bool:
     """Owned by this user, not a symlink, writable by nobody else: what lies there is ours."""
     try:
@@ -110,16 +115,20 @@ def _cflag_sets() -> list[list[str]]:
     return [flags]
 
 
+def c_compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
 def _build() -> ctypes.CDLL | None:
     if "AVX512" not in torch.backends.cpu.get_cpu_capability():
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    compiler = c_compiler()
     if compiler is None:
         log.warning("no C compiler found: the decode step uses the slower torch path")
         return None
     target = None
     for cflags in _cflag_sets():
-        target = _compiled(compiler, cflags)
+        target = compiled(compiler, cflags)
         if target is not None:
             break
     if target is None:
@@ -132,20 +141,21 @@ def _build() -> ctypes.CDLL | None:
     return lib
 
 
-def library_name(cflags: list[str]) -> str:
+def library_name(cflags: list[str], sources: list[Path] = SOURCES) -> str:
     """The cached library's file name: a digest of the sources, headers and flags."""
     headers = sorted(Path(__file__).parent.glob("*.h"))
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in [*SOURCES, *headers]) + " ".join(cflags).encode())
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in [*sources, *headers]) + " ".join(cflags).encode())
     return f"xlserve_cpu_{digest.hexdigest()[:16]}.so"
 
 
-def _compiled(compiler: str, cflags: list[str]) -> Path | None:
-    """The library built with ``cflags``, from the cache or compiled now; None if it fails."""
-    target = _cache_dir() / library_name(cflags)
+def compiled(compiler: str, cflags: list[str], sources: list[Path] = SOURCES) -> Path | None:
+    """The library of ``sources`` built with ``cflags``, from the private cache or compiled
+    now; None if it fails."""
+    target = _cache_dir() / library_name(cflags, sources)
     if _private(target):
         return target
     tmp = target.with_suffix(f".{os.getpid()}.tmp")
-    result = subprocess.run([compiler, *cflags, *map(str, SOURCES), "-lm", "-o", str(tmp)],
+    result = subprocess.run([compiler, *cflags, *map(str, sources), "-lm", "-o", str(tmp)],
                             capture_output=True, text=True)
     if result.returncode != 0:
         log.warning("building the CPU kernels with %s failed: %s", " ".join(cflags[-3:]), result.stderr[-500:])

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from xlserve.layers.linear import copy_checked, linear
+from xlserve.layers.quantized import HoldsQuantized, QuantizedWeight
 from xlserve.parallel import tensor_parallel
 
 
@@ -15,11 +16,13 @@ def _rows(vocab: int) -> int:
     return -(-vocab // tensor_parallel.current().size)
 
 
-class VocabularySlice:
+class VocabularySlice(HoldsQuantized):
     """A layer holding rows ``start ..`` of the vocabulary (``tp``, ``start``: set by the layer)."""
 
     def load_whole(self, param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
         """This rank's rows of the checkpoint's whole vocabulary (zeros past its end)."""
+        if isinstance(loaded, QuantizedWeight):
+            return self.hold(loaded)
         if self.tp.size == 1:
             return copy_checked(param, loaded, what)
         piece = loaded[self.start:self.start + param.shape[0]]
@@ -43,6 +46,8 @@ class Embedding(VocabularySlice, nn.Embedding):
         pass
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, QuantizedWeight):
+            return self.weight.embedding(ids).to(self.compute_dtype)
         if self.tp.size == 1:
             return super().forward(ids)
         local = ids - self.start  # ids of other ranks' rows look up row 0 and are zeroed

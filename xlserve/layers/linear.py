@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from xlserve.kernels import cpu_ops
+from xlserve.layers.quantized import HoldsQuantized, QuantizedWeight
 from xlserve.parallel import tensor_parallel
 
 
@@ -22,7 +23,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """``x @ weight.T + bias (+ residual)``; few-row bf16 CPU matmuls (decode) take the
     bandwidth kernel, batches up to ``cpu_ops.AMX_MAX_ROWS`` rows the AMX kernel (both read
     the weight in place and add the residual); larger ones the prepacked twin of the weight
-    when there is one (``prepack_linear_weights``), else torch."""
+    when there is one (``prepack_linear_weights``), else torch. A weight kept in its file's
+    block format computes with its own kernel (``QuantizedWeight.linear``)."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.linear(x, bias, residual)
     if cpu_ops.use_linear(x, weight):
         return cpu_ops.linear_bf16(x, weight, bias, residual)
     if cpu_ops.use_amx(x, weight):
@@ -58,6 +62,8 @@ def prepack_linear_weights(model: nn.Module, rows_hint: int = 32) -> int:
     count = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor):  # kept quantized: its own kernel
+            continue
         linear_like = isinstance(module, (nn.Linear, MergedLinear)) or getattr(module, "prepackable", False)
         if linear_like and weight is not None and weight.device.type == "cpu":
             setattr(weight, PACKED, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint))
@@ -75,7 +81,7 @@ class Split(enum.Enum):
     ROW = "row"
 
 
-class Linear(nn.Linear):
+class Linear(HoldsQuantized, nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, split: Split = Split.NONE,
                  reduce: bool = True):
         """``reduce`` (row split): sum the ranks' partial products here, or leave that to the caller."""
@@ -99,6 +105,8 @@ class Linear(nn.Linear):
 
     def load_whole(self, param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
         """A checkpoint tensor of the whole layer into this rank's slice of it."""
+        if isinstance(loaded, QuantizedWeight):
+            return self.hold(loaded)
         if self.tp.size > 1 and self.split is Split.COLUMN:
             loaded = loaded[self.tp.span(loaded.shape[0], what)]
         elif self.tp.size > 1 and self.split is Split.ROW and param.dim() == 2:
@@ -113,9 +121,11 @@ def copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
     param.data.copy_(loaded.to(param.dtype))
 
 
-class MergedLinear(nn.Module):
+class MergedLinear(HoldsQuantized, nn.Module):
     """One matmul for several projections of the same input; ``shard_sizes`` in output order
-    (whole-layer sizes). Column-parallel: each rank holds its slice of every projection."""
+    (whole-layer sizes). Column-parallel: each rank holds its slice of every projection.
+    Shards kept quantized become parts of one ``QuantizedWeight`` (with any shard the file
+    stored in a format that is not kept, as a dense part)."""
 
     def __init__(self, in_features: int, shard_sizes: dict, bias: bool):
         super().__init__()
@@ -130,12 +140,27 @@ class MergedLinear(nn.Module):
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(offset), requires_grad=False)
+        self.dense_rows: list[tuple[int, int]] = []  # shards copied into the float weight so far
 
     def load_shard(self, param: torch.Tensor, loaded: torch.Tensor, shard) -> None:
         start, size = self.shard_offsets[shard]
+        if isinstance(loaded, QuantizedWeight) or isinstance(self.weight, QuantizedWeight):
+            return self._place(param, start, size, loaded, shard)
+        self.dense_rows.append((start, size))
         if self.tp.size > 1:
             loaded = loaded[self.tp.span(loaded.shape[0], f"shard {shard}")]
         copy_checked(param.data.narrow(0, start, size), loaded, f"shard {shard}")
+
+    def _place(self, param: torch.Tensor, start: int, size: int, loaded, shard) -> None:
+        if tuple(loaded.shape) != (size, param.shape[1]):
+            raise ValueError(f"weight shard {shard}: expected shape {(size, param.shape[1])}, checkpoint has "
+                             f"{tuple(loaded.shape)}")
+        if not isinstance(self.weight, QuantizedWeight):  # shards copied before stay, as dense parts
+            dense = [(at, param.data[at:at + n].clone()) for at, n in self.dense_rows]
+            self.hold(QuantizedWeight(tuple(param.shape), device=param.device))
+            for at, rows in dense:
+                self.weight.place(at, rows)
+        self.weight.place(start, loaded if isinstance(loaded, QuantizedWeight) else loaded.to(param.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)

@@ -60,6 +60,7 @@ class LatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.rank, 1e-6)
         self.kv_b_proj = Linear(self.rank, arch.num_heads * (self.nope_dim + self.v_dim), bias=False,
                                 split=Split.COLUMN)
+        self.kv_b_proj.quantizable = False  # decode reads it split per head, as a tensor
         self.o_proj = Linear(arch.num_heads * self.v_dim, arch.hidden_size, bias=arch.attention_bias,
                              split=Split.ROW)
         self.positional = positional

@@ -1,13 +1,16 @@
-"""GGUF files: metadata -> Hugging Face style config, tensors -> dequantized weights.
+"""GGUF files: metadata -> Hugging Face style config, tensors -> weights.
 
-The container is read by ``gguf_container``; dequantization uses the ``gguf`` package,
-so every type it knows is supported.
+The container is read by ``gguf_container``. Matmul weights in a block format with a
+kernel (``kernels/gguf_blocks.py``: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) stay in it when
+asked (``--quantization auto``); every other type is dequantized by the ``gguf`` package,
+so every type it knows loads.
 llama.cpp stores Llama query/key weights permuted for its rope layout; they are
 permuted back here so the model code sees the Hugging Face layout.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import struct
 from typing import Iterator
@@ -15,10 +18,14 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from xlserve.kernels.gguf_blocks import BlockType
+from xlserve.layers.quantized import QuantizedWeight
 from xlserve.loader.gguf_arch import CONFIGS, LAYER_NAMES_BY_ARCH, LAYER_TENSOR_NAMES, TENSOR_NAMES
 from xlserve.loader.gguf_container import TensorInfo, read_gguf, release, tensor_bytes
 from xlserve.models.registry import GGUF_ARCHITECTURES, GGUF_MOE_ARCHITECTURES
 
+log = logging.getLogger(__name__)
+KEPT_TYPES = {int(t) for t in BlockType}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _ABSORBED_RE = re.compile(r"blk\.(\d+)\.attn_([kv])_b\.weight$")
 ROPE_FREQS = "rope_freqs.weight"
@@ -79,8 +86,13 @@ class GGUFFile:
                 "moe_intermediate_size": size, "mlp_only_layers": dense,
                 "norm_topk_prob": bool(m.get(f"{arch}.expert_weights_norm", True))}
 
-    def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, dtype: torch.dtype, keep_quantized: bool = False
+                ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """(name, tensor) in the Hugging Face layout; with ``keep_quantized``, matmul weights
+        in a kept block format come as ``QuantizedWeight`` (a layer that cannot hold one
+        dequantizes it)."""
         cfg = self.hf_config()
+        dequantized: dict[str, int] = {}  # block formats without a kernel: type -> tensors
         permute = cfg["architectures"][0] in ("LlamaForCausalLM", "MixtralForCausalLM")  # llama.cpp's "llama"
         arch = self.meta["general.architecture"]
         layer_names = LAYER_NAMES_BY_ARCH.get(arch, LAYER_TENSOR_NAMES)
@@ -88,7 +100,13 @@ class GGUFFile:
         for t in self.tensors:
             if t.name == ROPE_FREQS:  # already in the config
                 continue
-            tensor = self._tensor(t)
+            if keep_quantized and t.qtype in KEPT_TYPES and len(t.shape) == 2:
+                tensor = QuantizedWeight.from_blocks(t.qtype, torch.from_numpy(np.array(tensor_bytes(self._data, t))),
+                                                     t.shape)
+            else:
+                tensor = self._tensor(t)
+                if keep_quantized and t.qtype not in (0, 1, 30) and len(t.shape) >= 2:  # F32, F16, BF16
+                    dequantized[tensor_type_name(t.qtype)] = dequantized.get(tensor_type_name(t.qtype), 0) + 1
             release(self._data, t)
             if _ABSORBED_RE.match(t.name):
                 absorbed[t.name] = tensor
@@ -103,7 +121,10 @@ class GGUFFile:
             if permute and name.endswith(("q_proj.weight", "k_proj.weight")):
                 key = "num_attention_heads" if "q_proj" in name else "num_key_value_heads"
                 tensor = _unpermute_rope(tensor, cfg[key])
-            yield name, tensor.to(dtype)
+            yield name, tensor if isinstance(tensor, QuantizedWeight) else tensor.to(dtype)
+        for qtype, count in dequantized.items():
+            log.info("%d tensors in %s have no kernel here: dequantized to %s", count, qtype,
+                     str(dtype).removeprefix("torch."))
         if absorbed:
             raise ValueError(f"GGUF file {self.path!r} has {', '.join(sorted(absorbed))} without its other half")
 
@@ -158,6 +179,16 @@ def _join_kv_b(absorbed: dict[str, torch.Tensor], name: str) -> tuple[str, torch
     return f"model.layers.{layer}.self_attn.kv_b_proj.weight", joined.reshape(-1, joined.shape[-1])
 
 
-def _unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
+def tensor_type_name(qtype: int) -> str:
+    from gguf import GGMLQuantizationType
+    try:
+        return GGMLQuantizationType(qtype).name
+    except ValueError:
+        return f"type {qtype}"
+
+
+def _unpermute_rope(w: torch.Tensor | QuantizedWeight, n_head: int) -> torch.Tensor | QuantizedWeight:
+    if isinstance(w, QuantizedWeight):  # whole rows move: the blocks move with them
+        return w.take_rows(_unpermute_rope(torch.arange(w.shape[0]), n_head))
     out = w.shape[0]
     return w.reshape(n_head, out // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

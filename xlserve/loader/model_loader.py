@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from xlserve.config import ModelConfig
 from xlserve.kernels.cpu_ops import cpu_flags as _cpu_flags
+from xlserve.layers.quantized import describe as describe_quantized
 from xlserve.loader.gguf_file import GGUFFile
 from xlserve.loader.model_source import ModelSource, resolve_model
 from xlserve.loader.safetensors_dir import SafetensorsDir
@@ -79,11 +80,15 @@ def load_model(config: ModelConfig) -> LoadedModel:
     tp, stage = tensor_parallel.current(), pipeline_parallel.current()
     # tensor / pipeline parallel: each rank reads only its slices of the (memory-mapped) safetensors
     sliced = (tp.size > 1 or stage.count > 1) and source.kind != "gguf"
-    weights = reader.weights(dtype, lazy=True) if sliced else reader.weights(dtype)
+    if source.kind == "gguf":
+        weights = reader.weights(dtype, keep_quantized=config.quantization == "auto")
+    else:
+        weights = reader.weights(dtype, lazy=True) if sliced else reader.weights(dtype)
     bar = tqdm(weights, total=reader.num_tensors, desc=f"Loading {source.name}",
                unit="tensor", leave=False, disable=None)  # None: only on a terminal
     started = time.perf_counter()
     model.load_weights(bar)
+    model.tie_weights()  # again: a head tied to an embedding kept quantized shares its blocks
     if sliced:
         seconds = time.perf_counter() - started
         log.info("rank %d read %.1f MiB of the checkpoint's %.1f MiB in %.2f s (%.0f MiB/s)", stage.rank,
@@ -93,8 +98,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
         from xlserve.layers.linear import prepack_linear_weights
         log.info("prepacked %d linear weights for batched CPU matmuls", prepack_linear_weights(model))
     return_freed_memory()
-    log.info("loaded %s (%s, %s, %s) on %s", source.name, arch.architecture, source.kind,
-             str(dtype).removeprefix("torch."), device)
+    log.info("loaded %s (%s, %s, %s) on %s; %s", source.name, arch.architecture, source.kind,
+             str(dtype).removeprefix("torch."), device, describe_quantized(model))
     return LoadedModel(source, arch, model, tokenizer, dtype, device)
 
 

@@ -20,6 +20,7 @@ from xlserve.layers.mla import LatentAttention
 from xlserve.layers.mlp import MLP
 from xlserve.layers.moe import EXPERT_PARTS, SparseMoE
 from xlserve.layers.norm import normalized, rms_norm
+from xlserve.layers.quantized import HoldsQuantized, QuantizedWeight
 from xlserve.layers.rotary import PositionEncoding, QueryTemperature, RotaryEmbedding
 from xlserve.models.arch import ModelArch
 from xlserve.parallel import pipeline_parallel, tensor_parallel
@@ -127,7 +128,9 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         if not isinstance(attn, Attention) or not isinstance(mlp, MLP):
             return False
-        if attn.qkv_proj.weight.dtype != torch.bfloat16 or not cpu_ops.usable(attn.qkv_proj.weight):
+        weights = (attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight)
+        if any(not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 for w in weights) \
+                or not cpu_ops.usable(attn.qkv_proj.weight):  # kept-quantized weights: their own kernel
             return False
         return rows <= cpu_ops.LINEAR_MAX_ROWS or (
             rows <= cpu_ops.AMX_MAX_ROWS and cpu_ops.amx_ready()
@@ -252,7 +255,11 @@ class LlamaForCausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         if self.arch.tie_word_embeddings and self.lm_head is not None:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            shared = self.model.embed_tokens.weight
+            if isinstance(shared, QuantizedWeight):
+                self.lm_head.hold(shared)
+            else:
+                self.lm_head.weight = shared
 
     def bind_kv_cache(self, caches: list[tuple[torch.Tensor, ...]], groups: list[int] | None = None) -> None:
         """Each layer's cache tensors (``ModelArch.kv_cache_spec``: K and V, or MLA's latent)
@@ -290,6 +297,9 @@ class LlamaForCausalLM(nn.Module):
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.arch.architecture}")
             module = self.get_submodule(target.rsplit(".", 1)[0])
+            if isinstance(tensor, QuantizedWeight) and not (isinstance(module, HoldsQuantized)
+                                                           and module.keeps_quantized()):
+                tensor = tensor.dequantize(param.dtype)  # a layer that reads its weight as a tensor
             if shard is None:
                 load_whole = getattr(module, "load_whole", None)  # a tensor-parallel slice of it
                 load_whole(param, tensor, name) if load_whole else copy_checked(param, tensor, name)

@@ -1,0 +1,139 @@
+"""GGUF block-quantized weights kept as stored: the torch dequantizer and the C kernel (each
+instruction-set build this CPU runs) against gguf-py's reference dequantization."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from xlserve.kernels import gguf_blocks, quant_ops
+from xlserve.kernels.gguf_blocks import LAYOUTS, BlockType
+
+HALF_FIELDS = {BlockType.Q8_0: [0], BlockType.Q4_0: [0], BlockType.Q4_1: [0, 2], BlockType.Q4_K: [0, 2],
+               BlockType.Q5_K: [0, 2], BlockType.Q6_K: [208]}
+BUILDS = [isa for isa in quant_ops.available_isas() if quant_ops.library(isa) is not None]
+
+
+def random_rows(qtype: BlockType, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """[n, row bytes] of random blocks whose float16 fields are finite scales."""
+    layout = LAYOUTS[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n * k // layout.values, layout.bytes), dtype=np.uint8)
+    for at in HALF_FIELDS[qtype]:
+        blocks[:, at:at + 2] = (rng.standard_normal((blocks.shape[0], 1)) * 0.01).astype(np.float16).view(np.uint8)
+    return torch.from_numpy(blocks.reshape(n, -1))
+
+
+def reference(qtype: BlockType, data: torch.Tensor, k: int) -> torch.Tensor:
+    values = gguf_dequantize(data.numpy(), GGMLQuantizationType(int(qtype)))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(data.shape[0], k)
+
+
+@pytest.mark.parametrize("qtype", list(BlockType))
+def test_torch_dequantization_is_exact(qtype):
+    data = random_rows(qtype, 6, 512)
+    assert torch.equal(gguf_blocks.dequantize(qtype, data, 512), reference(qtype, data, 512))
+
+
+def test_a_row_that_is_not_whole_blocks_is_refused():
+    with pytest.raises(ValueError, match="not whole Q4_K blocks"):
+        gguf_blocks.row_bytes(BlockType.Q4_K, 288)
+
+
+@pytest.mark.skipif(not BUILDS, reason="no C compiler or not an x86-64 CPU with AVX2")
+@pytest.mark.parametrize("isa", BUILDS, ids=lambda isa: isa.value)
+@pytest.mark.parametrize("qtype", list(BlockType))
+def test_kernel_dequantizes_exactly_and_multiplies_within_fp32_rounding(isa, qtype):
+    lib = quant_ops.library(isa)
+    n, k = 37, 512  # a last tile of one row
+    data = random_rows(qtype, n, k, seed=int(qtype))
+    ref = reference(qtype, data, k)
+    ids = torch.tensor([5, 0, 36, 5])
+    assert torch.equal(quant_ops.dequantize_rows(lib, qtype, data, ids, k), ref[ids])
+    x = torch.randn(64, k)
+    expected = x.double() @ ref.double().T
+    alone = None
+    for m in (1, 2, 3, 4, 5, 8, 17, 64):
+        out = torch.full((m, n + 3), float("nan"))
+        quant_ops.linear(lib, qtype, x[:m], data, out, 2)
+        assert torch.isnan(out[:, :2]).all() and torch.isnan(out[:, -1]).all()  # only its columns written
+        got = out[:, 2:2 + n]
+        scale = (x[:m].double().abs() @ ref.double().abs().T).max()
+        assert (got.double() - expected[:m]).abs().max() <= 1e-6 * scale
+        alone = got[:1].clone() if alone is None else alone
+        assert torch.equal(got[:1], alone), "row 0 depends on the batch it is in"
+
+
+@pytest.mark.skipif(not BUILDS, reason="no C compiler or not an x86-64 CPU with AVX2")
+def test_kernel_result_does_not_depend_on_the_thread_count():
+    lib, qtype = quant_ops.library(BUILDS[0]), BlockType.Q4_1
+    data, x = random_rows(qtype, 64, 1024), torch.randn(6, 1024)
+    results, before = [], torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = torch.empty(6, 64)
+            quant_ops.linear(lib, qtype, x, data, out, 0)
+            results.append(out)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(*results)
+
+
+# A tiny Llama stored the way a llama.cpp quantization mix stores it: every kept format, a
+# fused q/k/v whose pieces differ in format, and a norm in F32. Rows of 256 values (K-quants).
+MIX = {"attn_q": BlockType.Q4_K, "attn_k": BlockType.Q6_K, "attn_v": BlockType.Q8_0, "attn_output": BlockType.Q5_K,
+       "ffn_gate": BlockType.Q4_0, "ffn_up": BlockType.Q4_1, "ffn_down": BlockType.Q6_K}
+TINY = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "vocab_size": 384}
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory):
+    import gguf
+
+    from tests.unit.gguf_writing import add_header, finish, gguf_writer
+    out = str(tmp_path_factory.mktemp("quantized") / "mixed.gguf")
+    w = gguf_writer(out, "llama", TINY["vocab_size"])
+    add_header(w, TINY, rope_freq_base=10000.0, eos_token_id=2)
+    h, i, kv = TINY["hidden_size"], TINY["intermediate_size"], 2 * 64
+    shapes = {"attn_q": (h, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, h),
+              "ffn_gate": (i, h), "ffn_up": (i, h), "ffn_down": (h, i)}
+    stored = 0
+    for layer in range(TINY["num_hidden_layers"]):
+        w.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(h, dtype=np.float32))
+        w.add_tensor(f"blk.{layer}.ffn_norm.weight", np.ones(h, dtype=np.float32))
+        for part, qtype in MIX.items():
+            rows = random_rows(qtype, *shapes[part], seed=layer * 10 + int(qtype)).numpy()
+            w.add_tensor(f"blk.{layer}.{part}.weight", rows, raw_dtype=gguf.GGMLQuantizationType(int(qtype)))
+            stored += rows.nbytes
+    embedding = random_rows(BlockType.Q8_0, TINY["vocab_size"], h, seed=99).numpy()
+    w.add_tensor("token_embd.weight", embedding, raw_dtype=gguf.GGMLQuantizationType.Q8_0)  # tied head
+    w.add_tensor("output_norm.weight", np.ones(h, dtype=np.float32))
+    finish(w)
+    return out, stored + embedding.nbytes
+
+
+def test_a_quantized_file_kept_as_stored_computes_what_its_dequantized_weights_do(mixed_gguf):
+    from xlserve import LLM, SamplingParams
+    from xlserve.layers.quantized import QuantizedWeight
+    path, stored = mixed_gguf
+    kept, plain = (LLM(path, dtype="float32", quantization=q, kv_cache_tokens=1024) for q in ("auto", "none"))
+    model = kept.engine.runner.model
+    qkv = model.model.layers[0].self_attn.qkv_proj.weight
+    assert isinstance(qkv, QuantizedWeight) and [p.qtype for p in qkv.parts] == [BlockType.Q4_K, BlockType.Q6_K,
+                                                                                 BlockType.Q8_0]
+    assert model.lm_head.weight.parts[0].data is model.model.embed_tokens.weight.parts[0].data  # tied, one copy
+    held = {id(m.weight.parts[0].data): m.weight.nbytes for m in model.modules()
+            if isinstance(getattr(m, "weight", None), QuantizedWeight)}
+    assert sum(held.values()) == stored  # resident weights are the file's bytes, not a dequantized copy
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    prompts = [list(range(3, 3 + n)) for n in (5, 40, 17)]
+    a, b = kept.generate(prompts, params), plain.generate(prompts, params)
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            assert abs(lx["logprob"] - ly["logprob"]) < 1e-4
+    alone = [kept.generate(p, params)[0].outputs[0].token_ids for p in prompts]
+    assert alone == [x.outputs[0].token_ids for x in a]  # batch-invariant

@@ -1,0 +1,311 @@
+/* Matmul against GGUF block-quantized weights kept in their file format (Q8_0, Q4_0, Q4_1,
+ * Q4_K, Q5_K, Q6_K): out[M, N] = x[M, K] @ dequant(W[N, K])^T, fp32 activations.
+ *
+ * Each thread takes tiles of NR weight rows: it dequantizes them into a small buffer that
+ * stays in L1/L2, then multiplies every activation row against them, MR rows at a time.
+ * The weight crosses memory once per call in its 4.5-8.5 bits per value, which is what
+ * bounds decode on a CPU.
+ *
+ * Batch invariance: every output element is one dot product whose order is fixed (VW-wide
+ * fp32 lanes along K, then a fixed lane sum), whatever M, MR, the tile or the thread, so a
+ * row's result does not depend on what else is in the batch.
+ *
+ * Dequantization is bit-exact with the reference (gguf-py, ggml): the same fp32 products
+ * and sums in the same order, so this file is built with -ffp-contract=off; the dot
+ * products use explicit FMA instructions.
+ *
+ * One source for two builds: AVX-512 (16 lanes, CPUs that have it) and AVX2 + FMA + F16C
+ * (8 lanes, every x86-64 CPU of the last decade).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+typedef __m512 vf;
+#define VW 16
+#define MR_MAX 4 /* 4 x NR accumulators + NR weights + 1 activation: 21 of 32 zmm registers */
+#define vzero _mm512_setzero_ps
+#define vload _mm512_loadu_ps
+#define vfma _mm512_fmadd_ps
+#define vset1 _mm512_set1_ps
+#define vmul _mm512_mul_ps
+#define vadd _mm512_add_ps
+static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+/* 16 bytes -> 16 lanes */
+static inline void u8_lanes(__m128i b, vf* out) { out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
+static inline void i8_lanes(__m128i b, vf* out) { out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)); }
+#else
+typedef __m256 vf;
+#define VW 8
+#define MR_MAX 2 /* 2 x NR accumulators + NR weights + 1 activation: 13 of 16 ymm registers */
+#define vzero _mm256_setzero_ps
+#define vload _mm256_loadu_ps
+#define vfma _mm256_fmadd_ps
+#define vset1 _mm256_set1_ps
+#define vmul _mm256_mul_ps
+#define vadd _mm256_add_ps
+/* 16 bytes -> 2 x 8 lanes */
+static inline void u8_lanes(__m128i b, vf* out) {
+  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
+}
+static inline void i8_lanes(__m128i b, vf* out) {
+  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+}
+static inline float vsum(vf v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+#define NR 4
+#define VPB (32 / VW) /* vectors per 32-value block */
+#define REGS_MAX_ROWS 2 /* beyond, one dequantization into the buffer serves all rows (measured) */
+
+/* ggml's type numbers */
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+static inline float half(const uint8_t* p) {
+  uint16_t h;
+  memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+static void block_q8_0(const uint8_t* restrict b, float* restrict y) { /* d, 32 x int8 */
+  const float d = half(b);
+  for (int j = 0; j < 32; ++j) y[j] = d * (float)(int8_t)b[2 + j];
+}
+
+/* d, 16 bytes: low nibbles are values 0..15, high nibbles 16..31 */
+static void block_q4_0(const uint8_t* restrict b, float* restrict y) {
+  const float d = half(b);
+  for (int j = 0; j < 16; ++j) {
+    y[j] = d * (float)((b[2 + j] & 15) - 8);
+    y[j + 16] = d * (float)((b[2 + j] >> 4) - 8);
+  }
+}
+
+static void block_q4_1(const uint8_t* restrict b, float* restrict y) { /* d, min, 16 bytes of nibbles */
+  const float d = half(b), m = half(b + 2);
+  for (int j = 0; j < 16; ++j) {
+    y[j] = d * (float)(b[4 + j] & 15) + m;
+    y[j + 16] = d * (float)(b[4 + j] >> 4) + m;
+  }
+}
+
+/* The eight 6-bit scales and mins of a K-quant super-block (12 bytes). */
+static void scale_min_k4(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    mn[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4);
+    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+}
+
+/* Q4_K (qh == NULL) and Q5_K: d, dmin, 12 scale bytes, [qh 32 bytes], 128 bytes of nibbles;
+ * sub-block j of 32 values: nibbles of bytes 32*(j/2).., low for even j, high for odd,
+ * plus bit j of qh as the fifth bit. */
+static void block_k(const uint8_t* restrict b, const uint8_t* restrict qh, const uint8_t* restrict qs,
+                    float* restrict y) {
+  const float d = half(b), dmin = half(b + 2);
+  uint8_t sc[8], mn[8];
+  scale_min_k4(b + 4, sc, mn);
+  for (int j = 0; j < 8; ++j) {
+    const float ds = d * (float)sc[j], dm = dmin * (float)mn[j];
+    const uint8_t* q = qs + 32 * (j / 2);
+    const int shift = 4 * (j & 1);
+    for (int l = 0; l < 32; ++l) {
+      int v = (q[l] >> shift) & 15;
+      if (qh) v |= ((qh[l] >> j) & 1) << 4;
+      y[32 * j + l] = ds * (float)v - dm;
+    }
+  }
+}
+
+static void block_q4_k(const uint8_t* restrict b, float* restrict y) { block_k(b, NULL, b + 16, y); }
+static void block_q5_k(const uint8_t* restrict b, float* restrict y) { block_k(b, b + 16, b + 48, y); }
+
+/* Q6_K: 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 int8 scales, d. Value e of
+ * half h, group s (32 values each): low nibble of ql[64h + 32(s&1) + l] (the high one for
+ * s >= 2), bits 2s of qh[32h + l], scale e/16. Loops kept flat so they vectorize. */
+static void block_q6_k(const uint8_t* restrict b, float* restrict y) {
+  const uint8_t *ql = b, *qh = b + 128;
+  const int8_t* sc = (const int8_t*)(b + 192);
+  const float d = half(b + 208);
+  for (int h = 0; h < 2; ++h) {
+    for (int s = 0; s < 4; ++s) {
+      const uint8_t *low = ql + 64 * h + 32 * (s & 1), *high = qh + 32 * h;
+      const int shift = 4 * (s >> 1);
+      for (int part = 0; part < 2; ++part) {
+        const float ds = d * (float)sc[8 * h + 2 * s + part];
+        float* out = y + 128 * h + 32 * s + 16 * part;
+        for (int l = 0; l < 16; ++l) {
+          const int i = 16 * part + l;
+          out[l] = ds * (float)((((low[i] >> shift) & 15) | (((high[i] >> (2 * s)) & 3) << 4)) - 32);
+        }
+      }
+    }
+  }
+}
+
+typedef void (*block_fn)(const uint8_t*, float*);
+typedef struct {
+  int type, values, bytes;
+  block_fn fn;
+} block_kind;
+static const block_kind KINDS[] = {
+    {Q8_0, 32, 34, block_q8_0}, {Q4_0, 32, 18, block_q4_0},   {Q4_1, 32, 20, block_q4_1},
+    {Q4_K, 256, 144, block_q4_k}, {Q5_K, 256, 176, block_q5_k}, {Q6_K, 256, 210, block_q6_k},
+};
+
+static const block_kind* kind_of(int type) {
+  for (unsigned i = 0; i < sizeof(KINDS) / sizeof(KINDS[0]); ++i)
+    if (KINDS[i].type == type) return &KINDS[i];
+  return NULL;
+}
+
+static void dequant_row(const block_kind* k, const uint8_t* row, int64_t K, float* y) {
+  for (int64_t i = 0; i < K / k->values; ++i) k->fn(row + i * k->bytes, y + i * k->values);
+}
+
+/* 1 if ``type`` is one this file computes with (the caller checks before any other call). */
+int xl_quant_supported(int type) { return kind_of(type) != NULL; }
+
+/* out[n, :] = dequant(w row ids[n]) for n < count: an embedding lookup. */
+void xl_dequant_rows(int type, const uint8_t* w, int64_t row_bytes, const int64_t* ids, int64_t count, int64_t K,
+                     float* out, int threads) {
+  const block_kind* k = kind_of(type);
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t n = 0; n < count; ++n) dequant_row(k, w + ids[n] * row_bytes, K, out + n * K);
+}
+
+/* MR activation rows against NR dequantized weight rows ``w`` (row stride K). */
+#define MICRO(MR)                                                                          \
+  static void micro_##MR(const float* w, const float* x, int64_t K, float* out, int64_t ldo, \
+                         int rows) {                                                        \
+    vf acc[MR][NR];                                                                         \
+    for (int m = 0; m < MR; ++m)                                                            \
+      for (int r = 0; r < NR; ++r) acc[m][r] = vzero();                                     \
+    for (int64_t k = 0; k < K; k += VW) {                                                   \
+      vf wv[NR];                                                                            \
+      for (int r = 0; r < NR; ++r) wv[r] = vload(w + r * K + k);                            \
+      for (int m = 0; m < MR; ++m) {                                                        \
+        const vf xv = vload(x + m * K + k);                                                 \
+        for (int r = 0; r < NR; ++r) acc[m][r] = vfma(wv[r], xv, acc[m][r]);                \
+      }                                                                                     \
+    }                                                                                       \
+    for (int m = 0; m < MR; ++m)                                                            \
+      for (int r = 0; r < rows; ++r) out[m * ldo + r] = vsum(acc[m][r]);                    \
+  }
+
+MICRO(1) MICRO(2)
+#if MR_MAX == 4
+MICRO(3) MICRO(4)
+typedef void (*micro_fn)(const float*, const float*, int64_t, float*, int64_t, int);
+static const micro_fn MICROS[5] = {0, micro_1, micro_2, micro_3, micro_4};
+#else
+typedef void (*micro_fn)(const float*, const float*, int64_t, float*, int64_t, int);
+static const micro_fn MICROS[3] = {0, micro_1, micro_2};
+#endif
+
+/* A 32-value block dequantized into VPB vectors, the same values as block_* computes (the
+ * same fp32 products and sums): the weight never goes through memory as floats. */
+static inline void regs_q8_0(const uint8_t* b, vf* w) {
+  const vf d = vset1(half(b));
+  i8_lanes(_mm_loadu_si128((const __m128i*)(b + 2)), w);
+  i8_lanes(_mm_loadu_si128((const __m128i*)(b + 18)), w + VPB / 2);
+  for (int v = 0; v < VPB; ++v) w[v] = vmul(d, w[v]);
+}
+
+static inline void regs_q4_0(const uint8_t* b, vf* w) {
+  const vf d = vset1(half(b));
+  const __m128i q = _mm_loadu_si128((const __m128i*)(b + 2)), mask = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+  i8_lanes(_mm_sub_epi8(_mm_and_si128(q, mask), eight), w);
+  i8_lanes(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), mask), eight), w + VPB / 2);
+  for (int v = 0; v < VPB; ++v) w[v] = vmul(d, w[v]);
+}
+
+static inline void regs_q4_1(const uint8_t* b, vf* w) {
+  const vf d = vset1(half(b)), m = vset1(half(b + 2));
+  const __m128i q = _mm_loadu_si128((const __m128i*)(b + 4)), mask = _mm_set1_epi8(15);
+  u8_lanes(_mm_and_si128(q, mask), w);
+  u8_lanes(_mm_and_si128(_mm_srli_epi16(q, 4), mask), w + VPB / 2);
+  for (int v = 0; v < VPB; ++v) w[v] = vadd(vmul(d, w[v]), m);
+}
+
+/* Few activation rows: MR rows against NR weight rows dequantized block by block in
+ * registers. Each accumulator sees the same values in the same order as micro_MR on the
+ * dequantized buffer, so both paths give identical bits. */
+#define REGS_MICRO(T, MR)                                                                       \
+  static void regs_##T##_##MR(const uint8_t* w, int64_t row_bytes, int bytes, const float* x,   \
+                              int64_t K, float* out, int64_t ldo, int rows) {                   \
+    vf acc[MR][NR];                                                                             \
+    for (int m = 0; m < MR; ++m)                                                                \
+      for (int r = 0; r < NR; ++r) acc[m][r] = vzero();                                         \
+    for (int64_t blk = 0; blk < K / 32; ++blk) {                                                \
+      for (int r = 0; r < NR; ++r) {                                                            \
+        vf wv[VPB];                                                                             \
+        regs_##T(w + (r < rows ? r : 0) * row_bytes + blk * bytes, wv);                         \
+        for (int m = 0; m < MR; ++m)                                                            \
+          for (int v = 0; v < VPB; ++v)                                                         \
+            acc[m][r] = vfma(wv[v], vload(x + m * K + blk * 32 + v * VW), acc[m][r]);           \
+      }                                                                                         \
+    }                                                                                           \
+    for (int m = 0; m < MR; ++m)                                                                \
+      for (int r = 0; r < rows; ++r) out[m * ldo + r] = vsum(acc[m][r]);                        \
+  }
+
+typedef void (*regs_fn)(const uint8_t*, int64_t, int, const float*, int64_t, float*, int64_t, int);
+#define REGS_TYPE(T) REGS_MICRO(T, 1) REGS_MICRO(T, 2)
+REGS_TYPE(q8_0) REGS_TYPE(q4_0) REGS_TYPE(q4_1)
+
+/* The register path for ``type`` and MR rows, or NULL (K-quants use the buffer). */
+static regs_fn regs_for(int type, int mr) {
+  switch (type) {
+    case Q8_0: return mr == 1 ? regs_q8_0_1 : regs_q8_0_2;
+    case Q4_0: return mr == 1 ? regs_q4_0_1 : regs_q4_0_2;
+    case Q4_1: return mr == 1 ? regs_q4_1_1 : regs_q4_1_2;
+    default: return NULL;
+  }
+}
+
+/* x: [M, K] fp32; w: [N, row_bytes] blocks of ``type``; out: [M, ldo] fp32, columns 0..N-1
+ * written (ldo > N writes one part of a wider output). K is a multiple of the block. */
+void xl_linear_quant(int type, const float* x, const uint8_t* w, int64_t row_bytes, float* out, int64_t M,
+                     int64_t N, int64_t K, int64_t ldo, int threads) {
+  const block_kind* kind = kind_of(type);
+  const int64_t tiles = (N + NR - 1) / NR;
+  if (M <= REGS_MAX_ROWS && regs_for(type, 1)) { /* decode: dequantize in registers, no buffer */
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t n0 = t * NR;
+      const int rows = N - n0 < NR ? (int)(N - n0) : NR;
+      for (int64_t m = 0; m < M; m += 2) {
+        const int mr = M - m < 2 ? (int)(M - m) : 2;
+        regs_for(type, mr)(w + n0 * row_bytes, row_bytes, kind->bytes, x + m * K, K, out + m * ldo + n0, ldo, rows);
+      }
+    }
+    return;
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    float* buf = (float*)aligned_alloc(64, sizeof(float) * NR * K); /* K * 4 is a multiple of 128 */
+    memset(buf, 0, sizeof(float) * NR * K); /* rows past N in the last tile multiply zeros */
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t n0 = t * NR;
+      const int rows = N - n0 < NR ? (int)(N - n0) : NR;
+      for (int r = 0; r < rows; ++r) dequant_row(kind, w + (n0 + r) * row_bytes, K, buf + r * K);
+      for (int64_t m = 0; m < M; m += MR_MAX) {
+        const int mr = M - m < MR_MAX ? (int)(M - m) : MR_MAX;
+        MICROS[mr](buf, x + m * K, K, out + m * ldo + n0, ldo, rows);
+      }
+    }
+    free(buf);
+  }
+}

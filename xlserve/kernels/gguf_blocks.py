@@ -1,0 +1,109 @@
+"""GGUF block formats kept in memory as stored, and their dequantization in torch.
+
+The torch path is the one every device runs (CUDA, and CPUs where the C kernel cannot be
+built); on x86 CPUs ``gemm_quant.c`` computes the same values. Both follow the formats'
+reference (ggml, gguf-py) operation for operation, so dequantized values are bit-exact with
+``gguf.quants.dequantize`` (tested per type).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class BlockType(enum.IntEnum):
+    """The block-quantized types kept quantized, by ggml's type number."""
+    Q4_0 = 2
+    Q4_1 = 3
+    Q8_0 = 8
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    values: int  # weights per block
+    bytes: int  # bytes per block
+
+
+LAYOUTS = {
+    BlockType.Q4_0: BlockLayout(32, 18), BlockType.Q4_1: BlockLayout(32, 20), BlockType.Q8_0: BlockLayout(32, 34),
+    BlockType.Q4_K: BlockLayout(256, 144), BlockType.Q5_K: BlockLayout(256, 176), BlockType.Q6_K: BlockLayout(256, 210),
+}
+
+
+def row_bytes(qtype: BlockType, k: int) -> int:
+    layout = LAYOUTS[qtype]
+    if k % layout.values:
+        raise ValueError(f"a row of {k} values is not whole {qtype.name} blocks of {layout.values}")
+    return k // layout.values * layout.bytes
+
+
+def _half(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The float16 at byte ``at`` of every block, as float32 [blocks, 1]."""
+    return blocks[:, at:at + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor, groups: int) -> torch.Tensor:
+    """[blocks, groups*W] bytes -> [blocks, groups, 2, W]: each group's low nibbles, then its high."""
+    q = qs.reshape(qs.shape[0], groups, 1, -1)
+    return torch.cat((q & 15, q >> 4), dim=2)
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    return _half(b, 0) * b[:, 2:].view(torch.int8).float()
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    return _half(b, 0) * (_nibbles(b[:, 2:], 1).reshape(b.shape[0], 32).to(torch.int8) - 8).float()
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    return _half(b, 0) * _nibbles(b[:, 4:], 1).reshape(b.shape[0], 32).float() + _half(b, 2)
+
+
+def _scale_min_k4(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eight 6-bit scales and mins packed in a K-quant's 12 bytes [blocks, 12]."""
+    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    scales = torch.cat((d & 63, (md & 15) | ((d >> 6) << 4)), dim=1)
+    mins = torch.cat((m & 63, (md >> 4) | ((m >> 6) << 4)), dim=1)
+    return scales.float(), mins.float()
+
+
+def _k_quant(b: torch.Tensor, fifth_bit: bool) -> torch.Tensor:
+    """Q4_K and Q5_K: 8 sub-blocks of 32 values, each ``d*scale*q - dmin*min``."""
+    n = b.shape[0]
+    scales, mins = _scale_min_k4(b[:, 4:16])
+    ds, dm = (_half(b, 0) * scales).unsqueeze(-1), (_half(b, 2) * mins).unsqueeze(-1)
+    qs = b[:, 48:] if fifth_bit else b[:, 16:]
+    q = _nibbles(qs, 4).reshape(n, 8, 32)
+    if fifth_bit:
+        shifts = torch.arange(8, dtype=torch.uint8, device=b.device).reshape(1, 8, 1)
+        q = q | (((b[:, 16:48].reshape(n, 1, 32) >> shifts) & 1) << 4)
+    return (ds * q.float() - dm).reshape(n, 256)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    low = _nibbles(b[:, :128], 2).reshape(n, 2, 4, 32)  # per half: 64 low nibbles, then 64 high
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).reshape(1, 1, 4, 1)
+    high = (b[:, 128:192].reshape(n, 2, 1, 32) >> shifts) & 3
+    q = ((low | (high << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()
+    d = _half(b, 208) * b[:, 192:208].view(torch.int8).float()
+    return (d.unsqueeze(-1) * q).reshape(n, 256)
+
+
+DEQUANTIZERS = {BlockType.Q8_0: _q8_0, BlockType.Q4_0: _q4_0, BlockType.Q4_1: _q4_1,
+                BlockType.Q4_K: lambda b: _k_quant(b, False), BlockType.Q5_K: lambda b: _k_quant(b, True),
+                BlockType.Q6_K: _q6_k}
+
+
+def dequantize(qtype: BlockType, data: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows of ``qtype`` blocks, [N, row bytes] uint8 on any device -> [N, k] float32."""
+    layout = LAYOUTS[qtype]
+    blocks = data.reshape(-1, layout.bytes)
+    return DEQUANTIZERS[qtype](blocks).reshape(data.shape[0], k)

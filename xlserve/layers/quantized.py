@@ -1,0 +1,168 @@
+"""A matmul weight kept in the block format its file stores (``--quantization auto``).
+
+A GGUF Q4_1 weight takes 5 bits per value where a dequantized bf16 copy takes 16 and float32
+32, and decode on a CPU is bounded by the bytes of weight it reads per token. The weight is
+one or more *parts*, each a run of consecutive output rows in one format: a fused q/k/v
+projection whose tensors were stored in different types keeps each as stored.
+
+On an x86 CPU the C kernel (``kernels/gemm_quant.c``) multiplies; on other devices the part is
+dequantized by torch (``kernels/gguf_blocks.py``) just before its matmul, so CUDA and CPUs
+without a compiler compute the same values at the cost of a transient dequantized copy.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from xlserve.kernels import gguf_blocks, quant_ops
+from xlserve.kernels.gguf_blocks import BlockType
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Part:
+    """Output rows ``start .. start + rows`` of a weight: ``data`` is uint8 [rows, row bytes] of
+    ``qtype`` blocks, or, with ``qtype`` None, a dense float tensor [rows, K]."""
+    start: int
+    qtype: BlockType | None
+    data: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+    def dense(self, k: int) -> torch.Tensor:
+        return self.data.float() if self.qtype is None else gguf_blocks.dequantize(self.qtype, self.data, k)
+
+
+class QuantizedWeight:
+    """A [N, K] weight as parts covering its rows (filled by ``place`` while loading)."""
+
+    def __init__(self, shape: tuple[int, int], parts: list[Part] | None = None,
+                 device: torch.device | str | None = None):
+        self.shape = torch.Size(shape)
+        self.parts: list[Part] = sorted(parts or [], key=lambda p: p.start)
+        self._device = torch.device(device or (self.parts[0].data.device if self.parts else "cpu"))
+
+    @classmethod
+    def from_blocks(cls, qtype: int, data: torch.Tensor, shape: tuple[int, int]) -> QuantizedWeight:
+        qtype = BlockType(qtype)
+        n, k = shape
+        if tuple(data.shape) != (n, gguf_blocks.row_bytes(qtype, k)):
+            raise ValueError(f"{qtype.name} data of shape {tuple(data.shape)} is not a [{n}, {k}] weight")
+        return cls(shape, [Part(0, qtype, data)])
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The storage's (a weight that is not a plain tensor: no kernel reads it as one)."""
+        return torch.uint8
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.data.nbytes for p in self.parts)
+
+    def complete(self) -> bool:
+        return sum(p.rows for p in self.parts) == self.shape[0]
+
+    def take_rows(self, order: torch.Tensor) -> QuantizedWeight:
+        """Rows reordered (``order[i]`` becomes row i); a weight of one part."""
+        if len(self.parts) != 1:
+            raise ValueError("only a weight of one part can be reordered")
+        part = self.parts[0]
+        return QuantizedWeight(self.shape, [Part(0, part.qtype, part.data[order].contiguous())])
+
+    def to(self, device: torch.device) -> QuantizedWeight:
+        return QuantizedWeight(self.shape, [Part(p.start, p.qtype, p.data.to(device)) for p in self.parts], device)
+
+    def place(self, start: int, other: QuantizedWeight | torch.Tensor) -> None:
+        """Put ``other`` (quantized, or a dense tensor) at output rows ``start ..``. Neighbouring
+        parts of one format join, so a fused projection whose pieces share a format (in
+        whatever order they arrive) is one kernel call."""
+        pieces = other.parts if isinstance(other, QuantizedWeight) else [Part(0, None, other.detach())]
+        self.parts += [Part(start + p.start, p.qtype, p.data.to(self.device)) for p in pieces]
+        self.parts.sort(key=lambda p: p.start)
+        joined = [self.parts[0]]
+        for part in self.parts[1:]:
+            last = joined[-1]
+            if (last.start + last.rows == part.start and last.qtype == part.qtype
+                    and last.data.dtype == part.data.dtype):
+                joined[-1] = Part(last.start, last.qtype, torch.cat((last.data, part.data)))
+            else:
+                joined.append(part)
+        self.parts = joined
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=dtype, device=self.device)
+        for p in self.parts:
+            out[p.start:p.start + p.rows] = p.dense(self.shape[1])
+        return out
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W.T (+ bias) (+ residual)`` in float32, rounded to ``x``'s dtype."""
+        n, k = self.shape
+        rows = x.reshape(-1, k).float().contiguous()
+        out = torch.empty(rows.shape[0], n, dtype=torch.float32, device=x.device)
+        lib = quant_ops.kernels() if x.device.type == "cpu" else None
+        for p in self.parts:
+            if lib is not None and p.qtype is not None:
+                quant_ops.linear(lib, p.qtype, rows, p.data, out, p.start)
+            else:
+                torch.matmul(rows, p.dense(k).T, out=out[:, p.start:p.start + p.rows])
+        if bias is not None:
+            out += bias
+        out = out.to(x.dtype).reshape(*x.shape[:-1], n)
+        return out if residual is None else residual + out
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (any shape) dequantized to float32: [*ids.shape, K]."""
+        k = self.shape[1]
+        flat = ids.reshape(-1)
+        out = torch.empty(flat.numel(), k, dtype=torch.float32, device=ids.device)
+        lib = quant_ops.kernels() if ids.device.type == "cpu" else None
+        for p in self.parts:
+            inside = (flat >= p.start) & (flat < p.start + p.rows)
+            local = flat[inside] - p.start
+            if lib is not None and p.qtype is not None:
+                out[inside] = quant_ops.dequantize_rows(lib, p.qtype, p.data, local, k)
+            else:
+                out[inside] = Part(0, p.qtype, p.data[local]).dense(k)
+        return out.reshape(*ids.shape, k)
+
+
+class HoldsQuantized:
+    """A layer whose ``weight`` may be a ``QuantizedWeight``: on one rank (a tensor-parallel
+    slice of a block format is refused, and dequantized instead), unless the layer reads its
+    weight as a tensor (``quantizable = False``: MLA's ``kv_b_proj``, split per head)."""
+    quantizable = True
+
+    def keeps_quantized(self) -> bool:
+        return self.quantizable and self.tp.size == 1
+
+    def hold(self, weight: QuantizedWeight) -> None:
+        """Replace the float parameter by ``weight``, on the parameter's device; the layer keeps
+        the parameter's dtype as the one it computes in (``compute_dtype``)."""
+        current = self.weight
+        if isinstance(current, torch.Tensor):
+            if tuple(weight.shape) != tuple(current.shape):
+                raise ValueError(f"quantized weight of shape {tuple(weight.shape)} where {tuple(current.shape)} "
+                                 "belongs")
+            self.compute_dtype = current.dtype
+            weight = weight.to(current.device)
+            del self._parameters["weight"]  # its storage was never touched (or is copied out): freed
+        self.weight = weight
+
+
+def describe(model: torch.nn.Module) -> str:
+    """'N weights kept quantized (X MiB)', for the load log."""
+    held = [m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), QuantizedWeight)]
+    unique = {tuple(p.data.data_ptr() for p in w.parts): w for w in held}.values()  # a tied head shares its data
+    return f"{len(held)} weights kept quantized ({sum(w.nbytes for w in unique) / 2**20:.1f} MiB)"
