@@ -20,7 +20,7 @@ import torch
 from xlserve.kernels import cpu_ops
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("gemm_quant.c")
+SOURCES = [Path(__file__).with_name("gemm_quant.c")]
 COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]  # exact dequantization: no fused mul-add
 
 
@@ -58,7 +58,7 @@ def library(isa: ISA) -> ctypes.CDLL | None:
     compiler = cpu_ops.c_compiler()
     if compiler is None:
         return None
-    target = cpu_ops.compiled(compiler, COMMON_FLAGS + isa.cflags, [SOURCE])
+    target = cpu_ops.compiled(compiler, COMMON_FLAGS + isa.cflags, SOURCES)
     if target is None:
         return None
     lib = ctypes.CDLL(str(target))

@@ -47,6 +47,7 @@ class QuantizedWeight:
         self.shape = torch.Size(shape)
         self.parts: list[Part] = sorted(parts or [], key=lambda p: p.start)
         self._device = torch.device(device or (self.parts[0].data.device if self.parts else "cpu"))
+        self._kernel_calls: list[tuple[int, int, int, int, int]] = []  # see linear
 
     @classmethod
     def from_blocks(cls, qtype: int, data: torch.Tensor, shape: tuple[int, int]) -> QuantizedWeight:
@@ -97,7 +98,7 @@ class QuantizedWeight:
                 joined[-1] = Part(last.start, last.qtype, torch.cat((last.data, part.data)))
             else:
                 joined.append(part)
-        self.parts = joined
+        self.parts, self._kernel_calls = joined, []
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(self.shape, dtype=dtype, device=self.device)
@@ -109,18 +110,30 @@ class QuantizedWeight:
                residual: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T (+ bias) (+ residual)`` in float32, rounded to ``x``'s dtype."""
         n, k = self.shape
-        rows = x.reshape(-1, k).float().contiguous()
+        rows = x.reshape(-1, k)
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            rows = rows.float().contiguous()
         out = torch.empty(rows.shape[0], n, dtype=torch.float32, device=x.device)
         lib = quant_ops.kernels() if x.device.type == "cpu" else None
+        if lib is not None:  # a decode step makes ~120 of these calls: their arguments are prepared once
+            calls = self._kernel_calls or self._prepare_kernel_calls()
+            for qtype, data, row_bytes, count, start in calls:
+                lib.xl_linear_quant(qtype, rows.data_ptr(), data, row_bytes, out.data_ptr() + 4 * start,
+                                    rows.shape[0], count, k, n, torch.get_num_threads())
         for p in self.parts:
-            if lib is not None and p.qtype is not None:
-                quant_ops.linear(lib, p.qtype, rows, p.data, out, p.start)
-            else:
+            if lib is None or p.qtype is None:
                 torch.matmul(rows, p.dense(k).T, out=out[:, p.start:p.start + p.rows])
         if bias is not None:
             out += bias
-        out = out.to(x.dtype).reshape(*x.shape[:-1], n)
+        if x.dtype != torch.float32:
+            out = out.to(x.dtype)
+        out = out.view(*x.shape[:-1], n)
         return out if residual is None else residual + out
+
+    def _prepare_kernel_calls(self) -> list[tuple[int, int, int, int, int]]:
+        self._kernel_calls = [(int(p.qtype), p.data.data_ptr(), p.data.shape[1], p.rows, p.start)
+                              for p in self.parts if p.qtype is not None]
+        return self._kernel_calls
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (any shape) dequantized to float32: [*ids.shape, K]."""
