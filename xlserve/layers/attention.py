@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from xlserve.kernels import cpu_ops
+from xlserve.kernels import attention_ops, cpu_ops
 from xlserve.layers.window import Window
 
 __all__ = ["AttentionMetadata", "DecodePath", "PrefillChunk", "Window", "get_attention_backend"]
@@ -89,6 +89,7 @@ class AttentionMetadata:
     decode_path: DecodePath = DecodePath.EAGER  # chosen once per step (engine/decode_plan.py)
     prefills: list[PrefillChunk] = field(default_factory=list)
     window_masks: dict = field(default_factory=dict)  # Window -> decode mask, built once per step
+    context: tuple | None = None  # (table, row_seq, row_len) of the paged CPU kernel, built once per step
     groups: dict = field(default_factory=dict)  # KV layer group -> its own metadata (engine/kv_groups.py)
 
     @property
@@ -106,6 +107,30 @@ class AttentionMetadata:
             allowed = (positions < lens) & window.allows(lens - 1, positions)
             mask = self.window_masks[window] = additive_mask(allowed[:, None, None, :], self.decode_mask.dtype)
         return mask
+
+
+    def context_tables(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Every row's context for ``attention_ops.paged_attention``: a slot table per sequence
+        (decode rows, then prefill chunks), each row's table and its number of keys (itself
+        included). None when a chunk's table does not start at position 0 (a window's group)."""
+        if self.context is None:
+            if any(c.context_start for c in self.prefills):
+                return None
+            tables, row_seq, row_len = [], torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64)
+            if self.decode_rows is not None:
+                tables += list(self.decode_slots)
+                row_seq[self.decode_rows] = torch.arange(len(self.decode_rows))
+                row_len[self.decode_rows] = self.decode_lens
+            for chunk in self.prefills:
+                slots = chunk.context_slots if chunk.context_slots is not None else \
+                    self.slot_mapping[chunk.start:chunk.end]
+                n = chunk.end - chunk.start
+                row_seq[chunk.start:chunk.end] = len(tables)
+                row_len[chunk.start:chunk.end] = torch.arange(len(slots) - n + 1, len(slots) + 1)
+                tables.append(slots)
+            table = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True) if tables else torch.zeros(1, 1)
+            self.context = (table.to(torch.int64).contiguous(), row_seq, row_len)
+        return self.context
 
 
 class AttentionBackend(ABC):
@@ -131,6 +156,10 @@ class TorchSDPABackend(AttentionBackend):
         v_cache.index_copy_(0, meta.slot_mapping, v)
         if window is not None or sinks is not None:
             return _masked(q, k_cache, v_cache, meta, window, scale, sinks)
+        lib = attention_ops.kernel_for(q, k_cache)
+        context = meta.context_tables(q.shape[0]) if lib is not None else None
+        if context is not None:  # CPU: one reduction order per row, whatever the step (batch-invariant)
+            return attention_ops.paged_attention(lib, q, k_cache, v_cache, *context, scale or q.shape[-1] ** -0.5)
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
             rows = meta.decode_rows

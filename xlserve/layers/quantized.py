@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from xlserve.kernels import gguf_blocks, quant_ops
+from xlserve.kernels import gguf_blocks, portable_library, quant_ops
 from xlserve.kernels.gguf_blocks import BlockType
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ class QuantizedWeight:
         if rows.dtype != torch.float32 or not rows.is_contiguous():
             rows = rows.float().contiguous()
         out = torch.empty(rows.shape[0], n, dtype=torch.float32, device=x.device)
-        lib = quant_ops.kernels() if x.device.type == "cpu" else None
+        lib = portable_library.kernels() if x.device.type == "cpu" else None
         if lib is not None:  # a decode step makes ~120 of these calls: their arguments are prepared once
             calls = self._kernel_calls or self._prepare_kernel_calls()
             for qtype, data, row_bytes, count, start in calls:
@@ -140,7 +140,7 @@ class QuantizedWeight:
         k = self.shape[1]
         flat = ids.reshape(-1)
         out = torch.empty(flat.numel(), k, dtype=torch.float32, device=ids.device)
-        lib = quant_ops.kernels() if ids.device.type == "cpu" else None
+        lib = portable_library.kernels() if ids.device.type == "cpu" else None
         for p in self.parts:
             inside = (flat >= p.start) & (flat < p.start + p.rows)
             local = flat[inside] - p.start

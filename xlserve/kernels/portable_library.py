@@ -1,0 +1,84 @@
+"""The kernels built per instruction set (``gemm_quant.c``, ``dot_q8.c``, ``attention_paged.c``) on first
+use and called through ctypes (which releases the GIL).
+
+Two builds of the same sources: AVX-512 where the CPU has it, AVX2 + FMA + F16C elsewhere
+(every x86-64 CPU since 2013), so AMD and Intel CPUs alike run them. Tests build both where
+the CPU allows and hold each to the reference. Without a compiler, on another architecture
+or with the kernels switched off (``XLSERVE_EAGER=1``), callers compute with torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import functools
+import logging
+from pathlib import Path
+
+from xlserve.kernels import cpu_ops
+
+log = logging.getLogger(__name__)
+SOURCES = [Path(__file__).with_name(n) for n in ("gemm_quant.c", "dot_q8.c", "attention_paged.c")]
+COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]  # exact dequantization: no fused mul-add
+
+
+class ISA(enum.Enum):
+    """An instruction set the kernels are built for, best first."""
+    AVX512 = "avx512"
+    AVX2 = "avx2"
+
+    @property
+    def cpu_flags(self) -> set[str]:
+        return {"avx512f", "f16c"} if self is ISA.AVX512 else {"avx2", "fma", "f16c"}
+
+    @property
+    def cflags(self) -> list[str]:
+        return ["-mavx512f", "-mf16c", "-mfma"] if self is ISA.AVX512 else ["-mavx2", "-mfma", "-mf16c"]
+
+
+P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+SIGNATURES = {
+    "xl_linear_quant": ([I32, P, P, I64, P, I64, I64, I64, I64, I32], None),
+    "xl_dequant_rows": ([I32, P, I64, P, I64, I64, P, I32], None),
+    "xl_quant_supported": ([I32], ctypes.c_int),
+    "xl_paged_attention": ([P, I64, I64, I64, I64, I64, P, P, P, I64, P, P, F32, P, I32, I32], None),
+}
+
+
+def available_isas() -> list[ISA]:
+    """The builds this CPU can run, best first."""
+    have = cpu_ops.cpu_flags()
+    return [isa for isa in ISA if isa.cpu_flags <= have]
+
+
+@functools.cache
+def library(isa: ISA) -> ctypes.CDLL | None:
+    """The kernels built for ``isa``, or None where they cannot be (no compiler, build error)."""
+    compiler = cpu_ops.c_compiler()
+    if compiler is None:
+        return None
+    target = cpu_ops.compiled(compiler, COMMON_FLAGS + isa.cflags, SOURCES)
+    if target is None:
+        return None
+    lib = ctypes.CDLL(str(target))
+    for name, (args, result) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, result
+    return lib
+
+
+_chosen: ctypes.CDLL | None | bool = False
+
+
+def kernels() -> ctypes.CDLL | None:
+    """The best build for this CPU, or None (torch computes instead)."""
+    global _chosen
+    if _chosen is False:
+        _chosen = None
+        if cpu_ops.enabled():
+            for isa in available_isas():
+                _chosen = library(isa)
+                if _chosen is not None:
+                    log.info("portable CPU kernels: %s", isa.value)
+                    break
+    return _chosen if cpu_ops.enabled() else None

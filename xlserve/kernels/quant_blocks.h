@@ -1,0 +1,22 @@
+/* Shared by the quantized-weight kernels: ggml's type numbers and its float16 scales. */
+#ifndef XLSERVE_QUANT_BLOCKS_H
+#define XLSERVE_QUANT_BLOCKS_H
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+static inline float half(const uint8_t* p) {
+  uint16_t h;
+  memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+/* f rounded to float16 and back (round to nearest even), as ggml stores a block's scale. */
+static inline float half_round(float f) { return _cvtsh_ss(_cvtss_sh(f, 0)); }
+
+int xl_q8_handles(int type);
+void xl_linear_q8(int type, const float* x, const uint8_t* w, int64_t row_bytes, float* out, int64_t M, int64_t N,
+                  int64_t K, int64_t ldo, int threads);
+#endif

@@ -1,0 +1,71 @@
+/* One vector vocabulary for the kernels built twice (AVX-512: 16 fp32 lanes; AVX2 + FMA +
+ * F16C: 8), so a source reads the same for both and each build is tested on its own. */
+#ifndef XLSERVE_VEC_PORTABLE_H
+#define XLSERVE_VEC_PORTABLE_H
+#include <immintrin.h>
+#include <stdint.h>
+
+#if defined(__AVX512F__)
+typedef __m512 vf;
+#define VW 16
+#define vzero _mm512_setzero_ps
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vfma _mm512_fmadd_ps
+#define vset1 _mm512_set1_ps
+#define vmul _mm512_mul_ps
+#define vadd _mm512_add_ps
+#define vsub _mm512_sub_ps
+#define vmax _mm512_max_ps
+static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+/* VW bf16 values (raw bits) -> fp32, exact */
+static inline vf vload_bf16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+/* exp over the lanes: 2^n * p(r), r = x - n ln2, degree-6 polynomial (relative error < 1e-6) */
+static inline vf vexp(vf x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+#else
+typedef __m256 vf;
+#define VW 8
+#define vzero _mm256_setzero_ps
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vfma _mm256_fmadd_ps
+#define vset1 _mm256_set1_ps
+#define vmul _mm256_mul_ps
+#define vadd _mm256_add_ps
+#define vsub _mm256_sub_ps
+#define vmax _mm256_max_ps
+static inline float vsum(vf v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+static inline vf vload_bf16(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+static inline vf vexp(vf x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const vf n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
+  vf r = vfma(n, vset1(-0.693145752f), x);
+  r = vfma(n, vset1(-1.42860677e-6f), r);
+  vf p = vset1(1.0f / 720);
+  p = vfma(p, r, vset1(1.0f / 120));
+  p = vfma(p, r, vset1(1.0f / 24));
+  p = vfma(p, r, vset1(1.0f / 6));
+  p = vfma(p, r, vset1(0.5f));
+  p = vfma(p, r, vset1(1.0f));
+  p = vfma(p, r, vset1(1.0f));
+#if defined(__AVX512F__)
+  return _mm512_scalef_ps(p, n);
+#else
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+#endif
+}
+#endif
