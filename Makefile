@@ -31,7 +31,8 @@ test: install
 # then the tests of the router in front of them.
 test-peers: install
 	$(PY) -m pip install -q -e '.[peers]'
-	$(PY) -m pytest -q tests/e2e/test_llama_server_backend.py tests/e2e/test_peer_protocols.py $(PYTEST_ARGS)
+	$(PY) -m pytest -q tests/e2e/test_llama_server_backend.py tests/e2e/test_llama_cpp_numerics.py \
+		tests/e2e/test_peer_protocols.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -39,6 +39,10 @@ class ModelConfig:
                              "Q4_1, Q4_K, Q5_K, Q6_K; a fraction of the memory and bytes read per token) and "
                              "compute with them; none: dequantize every weight to --dtype at load.",
                              choices=QUANTIZATIONS)
+    int8_activations: bool = _opt(False, "CPU, weights kept as Q4_0, Q4_1 or Q8_0: round each matmul's activations "
+                                  "to 8 bits per 32 values and multiply with integer dot products, as llama.cpp "
+                                  "does (about 2x faster matmuls; results within bf16's error of the dequantized "
+                                  "weights' instead of fp32's). Output stays batch-invariant either way.")
     max_model_len: int = _opt(0, "Longest prompt + output in tokens; 0 means the model's own context length.")
     served_model_name: str = _opt("", "Name the API reports for the model; empty means derived from --model.")
     chat_template: str = _opt("", "Jinja file to use as the chat template instead of the model's own.")

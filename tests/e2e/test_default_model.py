@@ -56,12 +56,10 @@ def _hf_greedy(model, ids, n):
     return tokens
 
 
-def test_greedy_chat_continuations_match_transformers(hf):
-    """transformers dequantizes the file's weights and multiplies float activations: so does
-    ``--quantization none``. (Kept as stored, Q4_1 and Q8_0 multiply 8-bit activations as
-    llama.cpp does; the peers' tests hold that path to llama.cpp.)"""
+def test_greedy_chat_continuations_match_transformers(hf, llm):
+    """transformers dequantizes the file's weights; the default keeps them as stored and
+    computes the same values with fp32 activations."""
     hf_tok, model = hf
-    llm = LLM("default", dtype="float32", quantization="none")
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     outs = llm.chat(CHATS, params)
     for chat, out in zip(CHATS, outs):

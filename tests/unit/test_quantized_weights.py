@@ -45,10 +45,12 @@ def test_a_row_that_is_not_whole_blocks_is_refused():
 @pytest.mark.skipif(not BUILDS, reason="no C compiler or not an x86-64 CPU with AVX2")
 @pytest.mark.parametrize("isa", BUILDS, ids=lambda isa: isa.value)
 @pytest.mark.parametrize("qtype", list(BlockType))
-def test_kernel_dequantizes_exactly_and_multiplies_within_tolerance(isa, qtype):
-    """Exact dequantized values; products within fp32 rounding of the exact product (K-quants:
-    fp32 activations) or bf16's (Q4_0, Q4_1, Q8_0: 8-bit activations, as llama.cpp computes
-    them), for 1 to 64 rows; and a row's result the same bits whatever else is in the batch."""
+@pytest.mark.parametrize("eight_bit", [False, True], ids=["fp32-activations", "int8-activations"])
+def test_kernel_dequantizes_exactly_and_multiplies_within_tolerance(isa, qtype, eight_bit):
+    """Exact dequantized values; products within fp32 rounding of the exact product, or bf16's
+    with 8-bit activations (Q4_0, Q4_1, Q8_0, as llama.cpp computes them), for 1 to 64 rows
+    (register, tile and integer paths); a row's result the same bits whatever else is in the
+    batch."""
     lib = portable_library.library(isa)
     n, k = 37, 512  # a last tile of one row
     data = random_rows(qtype, n, k, seed=int(qtype))
@@ -56,13 +58,13 @@ def test_kernel_dequantizes_exactly_and_multiplies_within_tolerance(isa, qtype):
     ids = torch.tensor([5, 0, 36, 5])
     assert torch.equal(quant_ops.dequantize_rows(lib, qtype, data, ids, k), ref[ids])
     x = torch.randn(64, k)
-    tolerance = 2 ** -8 if qtype in EIGHT_BIT_ACTIVATIONS else 1e-6
+    tolerance = 2 ** -8 if eight_bit and qtype in EIGHT_BIT_ACTIVATIONS else 1e-6
     expected = x.double() @ ref.double().T
     magnitude = x.double().abs() @ ref.double().abs().T
     alone = None
     for m in (1, 2, 3, 4, 5, 8, 17, 64):
         out = torch.full((m, n + 3), float("nan"))
-        quant_ops.linear(lib, qtype, x[:m], data, out, 2)
+        quant_ops.linear(lib, qtype, x[:m], data, out, 2, eight_bit)
         assert torch.isnan(out[:, :2]).all() and torch.isnan(out[:, -1]).all()  # only its columns written
         got = out[:, 2:2 + n]
         assert ((got.double() - expected[:m]).abs() <= tolerance * magnitude[:m]).all()
@@ -71,30 +73,26 @@ def test_kernel_dequantizes_exactly_and_multiplies_within_tolerance(isa, qtype):
 
 
 @pytest.mark.skipif(not BUILDS, reason="no C compiler or not an x86-64 CPU with AVX2")
-def test_kernel_result_does_not_depend_on_the_thread_count():
-    lib, qtype = portable_library.library(BUILDS[0]), BlockType.Q4_1
+@pytest.mark.parametrize("qtype,eight_bit", [(BlockType.Q4_1, False), (BlockType.Q4_1, True), (BlockType.Q6_K, False)])
+def test_kernel_result_does_not_depend_on_the_thread_count(qtype, eight_bit):
+    lib = portable_library.library(BUILDS[0])
     data, x = random_rows(qtype, 64, 1024), torch.randn(6, 1024)
     results, before = [], torch.get_num_threads()
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
             out = torch.empty(6, 64)
-            quant_ops.linear(lib, qtype, x, data, out, 0)
+            quant_ops.linear(lib, qtype, x, data, out, 0, eight_bit)
             results.append(out)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(*results)
 
 
-# A tiny Llama stored the way a llama.cpp quantization mix stores it: a fused q/k/v whose
-# pieces differ in format, F32 norms, rows of 256 values (K-quants). MIXES["k"] holds only
-# formats computed with fp32 activations, MIXES["all"] every kept format.
-MIXES = {
-    "k": {"attn_q": BlockType.Q4_K, "attn_k": BlockType.Q6_K, "attn_v": BlockType.Q5_K, "attn_output": BlockType.Q5_K,
-          "ffn_gate": BlockType.Q4_K, "ffn_up": BlockType.Q6_K, "ffn_down": BlockType.Q4_K},
-    "all": {"attn_q": BlockType.Q4_K, "attn_k": BlockType.Q6_K, "attn_v": BlockType.Q8_0,
-            "attn_output": BlockType.Q5_K, "ffn_gate": BlockType.Q4_0, "ffn_up": BlockType.Q4_1,
-            "ffn_down": BlockType.Q6_K}}
+# A tiny Llama stored the way a llama.cpp quantization mix stores it: every kept format, a
+# fused q/k/v whose pieces differ in format, F32 norms, rows of 256 values (K-quants).
+MIX = {"attn_q": BlockType.Q4_K, "attn_k": BlockType.Q6_K, "attn_v": BlockType.Q8_0, "attn_output": BlockType.Q5_K,
+       "ffn_gate": BlockType.Q4_0, "ffn_up": BlockType.Q4_1, "ffn_down": BlockType.Q6_K}
 TINY = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
         "num_hidden_layers": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "vocab_size": 384}
 
@@ -128,14 +126,20 @@ PARAMS = dict(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 40, 17)]
 
 
-def test_a_file_kept_as_stored_holds_its_bytes_and_is_batch_invariant(tmp_path):
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("quantized") / "mixed.gguf")
+    return path, write_mixed_gguf(path, MIX, BlockType.Q8_0)
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32-activations", "int8-activations"])
+def test_a_file_kept_as_stored_holds_its_bytes_and_is_batch_invariant(mixed_gguf, int8):
     """Bit for bit: alone or batched, chunked or not, after a prefix hit (the engine's
     attention and these matmuls reduce each row in one order)."""
     from xlserve import LLM, SamplingParams
     from xlserve.layers.quantized import QuantizedWeight
-    path = str(tmp_path / "all.gguf")
-    stored = write_mixed_gguf(path, MIXES["all"], BlockType.Q8_0)
-    kept = LLM(path, dtype="float32", kv_cache_tokens=1024)
+    path, stored = mixed_gguf
+    kept = LLM(path, dtype="float32", kv_cache_tokens=1024, int8_activations=int8)
     model = kept.engine.runner.model
     qkv = model.model.layers[0].self_attn.qkv_proj.weight
     assert isinstance(qkv, QuantizedWeight) and [p.qtype for p in qkv.parts] == [BlockType.Q4_K, BlockType.Q6_K,
@@ -147,18 +151,17 @@ def test_a_file_kept_as_stored_holds_its_bytes_and_is_batch_invariant(tmp_path):
     params = SamplingParams(**PARAMS)
     batched = [o.outputs[0] for o in kept.generate(PROMPTS, params)]
     alone = [kept.generate(p, params)[0].outputs[0] for p in PROMPTS]  # prefix hits now
-    chunked = LLM(path, dtype="float32", kv_cache_tokens=1024, max_num_batched_tokens=16, enable_prefix_caching=False)
+    chunked = LLM(path, dtype="float32", kv_cache_tokens=1024, max_num_batched_tokens=16, enable_prefix_caching=False,
+                  int8_activations=int8)
     for other in (alone, [o.outputs[0] for o in chunked.generate(PROMPTS, params)]):
         assert [o.token_ids for o in other] == [o.token_ids for o in batched]
         assert [[lp["logprob"] for lp in o.logprobs] for o in other] == [[lp["logprob"] for lp in o.logprobs]
                                                                           for o in batched]
 
 
-def test_fp32_formats_kept_as_stored_compute_what_their_dequantized_weights_do(tmp_path):
+def test_kept_as_stored_computes_what_the_dequantized_weights_do(mixed_gguf):
     from xlserve import LLM, SamplingParams
-    path = str(tmp_path / "k.gguf")
-    write_mixed_gguf(path, MIXES["k"], BlockType.Q6_K)
-    kept, plain = (LLM(path, dtype="float32", quantization=q, kv_cache_tokens=1024) for q in ("auto", "none"))
+    kept, plain = (LLM(mixed_gguf[0], dtype="float32", quantization=q, kv_cache_tokens=1024) for q in ("auto", "none"))
     a, b = kept.generate(PROMPTS, SamplingParams(**PARAMS)), plain.generate(PROMPTS, SamplingParams(**PARAMS))
     for x, y in zip(a, b):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids

@@ -1,7 +1,6 @@
 /* Matmul against GGUF block-quantized weights kept in their file format (Q8_0, Q4_0, Q4_1,
- * Q4_K, Q5_K, Q6_K): out[M, N] = x[M, K] @ dequant(W[N, K])^T. The 32-value formats go to
- * dot_q8.c (8-bit activations, as llama.cpp computes them); the K-quants stay here, with
- * fp32 activations.
+ * Q4_K, Q5_K, Q6_K): out[M, N] = x[M, K] @ dequant(W[N, K])^T, fp32 activations (or, asked,
+ * 8-bit ones for the 32-value formats: dot_q8.c).
  *
  * Each thread takes tiles of NR weight rows: it dequantizes them into a small buffer that
  * stays in L1/L2, then multiplies every activation row against them, MR rows at a time.
@@ -16,24 +15,35 @@
  * and sums in the same order, so this file is built with -ffp-contract=off; the dot
  * products use explicit FMA instructions.
  *
- * One source for two builds: AVX-512 (16 lanes, CPUs that have it) and AVX2 + FMA + F16C
- * (8 lanes, every x86-64 CPU of the last decade).
+ * One source for two builds (vec_portable.h): AVX-512 (16 lanes) and AVX2 + FMA + F16C (8).
  */
-#include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "quant_blocks.h"
 #include "vec_portable.h"
 
 #if defined(__AVX512F__)
 #define MR_MAX 4 /* 4 x NR accumulators + NR weights + 1 activation: 21 of 32 zmm registers */
+/* 16 bytes -> 16 lanes */
+static inline void u8_lanes(__m128i b, vf* out) { out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
+static inline void i8_lanes(__m128i b, vf* out) { out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)); }
 #else
 #define MR_MAX 2 /* 2 x NR accumulators + NR weights + 1 activation: 13 of 16 ymm registers */
+/* 16 bytes -> 2 x 8 lanes */
+static inline void u8_lanes(__m128i b, vf* out) {
+  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
+}
+static inline void i8_lanes(__m128i b, vf* out) {
+  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+}
 #endif
 #define NR 4
-
-#include "quant_blocks.h"
+#define VPB (32 / VW) /* vectors per 32-value block */
+#define REGS_MAX_ROWS 2 /* beyond, one dequantization into the buffer serves all rows (measured) */
 
 static void block_q8_0(const uint8_t* restrict b, float* restrict y) { /* d, 32 x int8 */
   const float d = half(b);
@@ -173,14 +183,88 @@ typedef void (*micro_fn)(const float*, const float*, int64_t, float*, int64_t, i
 static const micro_fn MICROS[3] = {0, micro_1, micro_2};
 #endif
 
+/* A 32-value block dequantized into VPB vectors, the same values as block_* computes (the
+ * same fp32 products and sums): the weight never goes through memory as floats. */
+static inline void regs_q8_0(const uint8_t* b, vf* w) {
+  const vf d = vset1(half(b));
+  i8_lanes(_mm_loadu_si128((const __m128i*)(b + 2)), w);
+  i8_lanes(_mm_loadu_si128((const __m128i*)(b + 18)), w + VPB / 2);
+  for (int v = 0; v < VPB; ++v) w[v] = vmul(d, w[v]);
+}
+
+static inline void regs_q4_0(const uint8_t* b, vf* w) {
+  const vf d = vset1(half(b));
+  const __m128i q = _mm_loadu_si128((const __m128i*)(b + 2)), mask = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+  i8_lanes(_mm_sub_epi8(_mm_and_si128(q, mask), eight), w);
+  i8_lanes(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), mask), eight), w + VPB / 2);
+  for (int v = 0; v < VPB; ++v) w[v] = vmul(d, w[v]);
+}
+
+static inline void regs_q4_1(const uint8_t* b, vf* w) {
+  const vf d = vset1(half(b)), m = vset1(half(b + 2));
+  const __m128i q = _mm_loadu_si128((const __m128i*)(b + 4)), mask = _mm_set1_epi8(15);
+  u8_lanes(_mm_and_si128(q, mask), w);
+  u8_lanes(_mm_and_si128(_mm_srli_epi16(q, 4), mask), w + VPB / 2);
+  for (int v = 0; v < VPB; ++v) w[v] = vadd(vmul(d, w[v]), m);
+}
+
+/* Few activation rows: MR rows against NR weight rows dequantized block by block in
+ * registers. Each accumulator sees the same values in the same order as micro_MR on the
+ * dequantized buffer, so both paths give identical bits. */
+#define REGS_MICRO(T, MR)                                                                       \
+  static void regs_##T##_##MR(const uint8_t* w, int64_t row_bytes, int bytes, const float* x,   \
+                              int64_t K, float* out, int64_t ldo, int rows) {                   \
+    vf acc[MR][NR];                                                                             \
+    for (int m = 0; m < MR; ++m)                                                                \
+      for (int r = 0; r < NR; ++r) acc[m][r] = vzero();                                         \
+    for (int64_t blk = 0; blk < K / 32; ++blk) {                                                \
+      for (int r = 0; r < NR; ++r) {                                                            \
+        vf wv[VPB];                                                                             \
+        regs_##T(w + (r < rows ? r : 0) * row_bytes + blk * bytes, wv);                         \
+        for (int m = 0; m < MR; ++m)                                                            \
+          for (int v = 0; v < VPB; ++v)                                                         \
+            acc[m][r] = vfma(wv[v], vload(x + m * K + blk * 32 + v * VW), acc[m][r]);           \
+      }                                                                                         \
+    }                                                                                           \
+    for (int m = 0; m < MR; ++m)                                                                \
+      for (int r = 0; r < rows; ++r) out[m * ldo + r] = vsum(acc[m][r]);                        \
+  }
+
+typedef void (*regs_fn)(const uint8_t*, int64_t, int, const float*, int64_t, float*, int64_t, int);
+#define REGS_TYPE(T) REGS_MICRO(T, 1) REGS_MICRO(T, 2)
+REGS_TYPE(q8_0) REGS_TYPE(q4_0) REGS_TYPE(q4_1)
+
+/* The register path for ``type`` and MR rows, or NULL (K-quants use the buffer). */
+static regs_fn regs_for(int type, int mr) {
+  switch (type) {
+    case Q8_0: return mr == 1 ? regs_q8_0_1 : regs_q8_0_2;
+    case Q4_0: return mr == 1 ? regs_q4_0_1 : regs_q4_0_2;
+    case Q4_1: return mr == 1 ? regs_q4_1_1 : regs_q4_1_2;
+    default: return NULL;
+  }
+}
+
 /* x: [M, K] fp32; w: [N, row_bytes] blocks of ``type``; out: [M, ldo] fp32, columns 0..N-1
- * written (ldo > N writes one part of a wider output). K is a multiple of the block. */
+ * written (ldo > N writes one part of a wider output). K is a multiple of the block.
+ * ``eight_bit``: Q4_0 / Q4_1 / Q8_0 multiply 8-bit activations (dot_q8.c), as llama.cpp does. */
 void xl_linear_quant(int type, const float* x, const uint8_t* w, int64_t row_bytes, float* out, int64_t M,
-                     int64_t N, int64_t K, int64_t ldo, int threads) {
+                     int64_t N, int64_t K, int64_t ldo, int eight_bit, int threads) {
+  if (eight_bit && xl_q8_handles(type)) {
+    xl_linear_q8(type, x, w, row_bytes, out, M, N, K, ldo, threads);
+    return;
+  }
   const block_kind* kind = kind_of(type);
   const int64_t tiles = (N + NR - 1) / NR;
-  if (xl_q8_handles(type)) { /* 32-value formats: 8-bit activations and integer dot products (dot_q8.c) */
-    xl_linear_q8(type, x, w, row_bytes, out, M, N, K, ldo, threads);
+  if (M <= REGS_MAX_ROWS && regs_for(type, 1)) { /* decode: dequantize in registers, no buffer */
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t n0 = t * NR;
+      const int rows = N - n0 < NR ? (int)(N - n0) : NR;
+      for (int64_t m = 0; m < M; m += 2) {
+        const int mr = M - m < 2 ? (int)(M - m) : 2;
+        regs_for(type, mr)(w + n0 * row_bytes, row_bytes, kind->bytes, x + m * K, K, out + m * ldo + n0, ldo, rows);
+      }
+    }
     return;
   }
 #pragma omp parallel num_threads(threads)

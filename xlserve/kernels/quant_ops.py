@@ -9,12 +9,13 @@ import torch
 
 
 def linear(lib: ctypes.CDLL, qtype: int, x: torch.Tensor, data: torch.Tensor, out: torch.Tensor,
-           column: int) -> None:
+           column: int, eight_bit: bool = False) -> None:
     """``out[:, column:column + N] = x @ dequant(data).T``: x [M, K] float32, data [N, row
-    bytes] uint8 of ``qtype``, out [M, ldo] float32, all contiguous."""
+    bytes] uint8 of ``qtype``, out [M, ldo] float32, all contiguous; ``eight_bit``: Q4_0,
+    Q4_1 and Q8_0 multiply 8-bit activations (``dot_q8.c``)."""
     m, k = x.shape
     lib.xl_linear_quant(qtype, x.data_ptr(), data.data_ptr(), data.shape[1], out[:, column:].data_ptr(), m,
-                        data.shape[0], k, out.shape[1], torch.get_num_threads())
+                        data.shape[0], k, out.shape[1], int(eight_bit), torch.get_num_threads())
 
 
 def dequantize_rows(lib: ctypes.CDLL, qtype: int, data: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:

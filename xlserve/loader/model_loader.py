@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from xlserve.config import ModelConfig
 from xlserve.kernels.cpu_ops import cpu_flags as _cpu_flags
 from xlserve.layers.quantized import describe as describe_quantized
+from xlserve.layers.quantized import set_activation_bits
 from xlserve.loader.gguf_file import GGUFFile
 from xlserve.loader.model_source import ModelSource, resolve_model
 from xlserve.loader.safetensors_dir import SafetensorsDir
@@ -89,6 +90,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     started = time.perf_counter()
     model.load_weights(bar)
     model.tie_weights()  # again: a head tied to an embedding kept quantized shares its blocks
+    set_activation_bits(model, config.int8_activations)
     if sliced:
         seconds = time.perf_counter() - started
         log.info("rank %d read %.1f MiB of the checkpoint's %.1f MiB in %.2f s (%.0f MiB/s)", stage.rank,
