@@ -21,16 +21,25 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def running_server(*args: str, timeout: float = 180.0, command: str = "worker", env: dict | None = None):
-    """``env``: extra environment variables (keys, which never go on a command line)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "xlserve.cli", command, "--port", str(port), *args]
-    log = open(os.devnull, "w") if os.environ.get("XLSERVE_TEST_QUIET") else None
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None,
-                            env={**os.environ, **(env or {})})
-    url = f"http://127.0.0.1:{port}"
-    PROCESSES[url] = proc
+    """``env``: extra environment variables (keys, which never go on a command line). A server
+    that exits before it answers is started again on a fresh port, twice at most: the port
+    ``free_port`` found can be taken (as some connection's local port) before the server binds."""
+    for attempt in range(3):
+        port = free_port()
+        cmd = [sys.executable, "-m", "xlserve.cli", command, "--port", str(port), *args]
+        log = open(os.devnull, "w") if os.environ.get("XLSERVE_TEST_QUIET") else None
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None,
+                                env={**os.environ, **(env or {})})
+        url = f"http://127.0.0.1:{port}"
+        PROCESSES[url] = proc
+        try:
+            wait_up(url, proc, timeout, " ".join(cmd))
+            break
+        except RuntimeError:  # exited: a failure that is not the port's repeats on the next tries
+            stop(proc)
+            if attempt == 2:
+                raise
     try:
-        wait_up(url, proc, timeout, " ".join(cmd))
         yield url
     finally:
         stop(proc)
