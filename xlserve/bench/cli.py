@@ -92,6 +92,28 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--out", default="bench-spec.json", help="where to write the JSON results")
     s.add_argument("--png", default="", help="also write a chart here")
     s.set_defaults(func=cmd_bench_spec)
+    q = kinds.add_parser("quantized", help="a quantized GGUF as shipped: xlserve vs llama.cpp",
+                         description="On the model's own GGUF file (the default: Q4_1): xlserve keeping the weights "
+                                     "as stored (fp32 and 8-bit activations) and dequantized, beside llama.cpp's "
+                                     "llama-bench at its best (flash attention on and off), each in a fresh process, "
+                                     "interleaved over --repeats rounds: batch-1 decode, 512-token prefill, 32 "
+                                     "sequences, peak RSS; medians and min-max.")
+    q.add_argument("--model", default="default", help="a GGUF file (default: the shipped Q4_1 model)")
+    q.add_argument("--threads", type=int, default=2, help="threads for every setup")
+    q.add_argument("--repeats", type=int, default=3, help="rounds, every setup once per round")
+    q.add_argument("--out", default="bench-quantized.json", help="where to write the JSON results")
+    q.set_defaults(func=cmd_bench_quantized)
+
+
+def cmd_bench_quantized(args) -> int:
+    from xlserve.bench.quant_bench import run_quantized_bench, table
+    results = run_quantized_bench(args.model, args.threads, args.repeats)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+    print(table(results))
+    for setup, why in results.get("skipped", {}).items():
+        print(f"skipped {setup}: {why}")
+    return 0
 
 
 def cmd_bench_engine(args) -> int:
