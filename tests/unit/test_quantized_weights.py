@@ -167,3 +167,21 @@ def test_kept_as_stored_computes_what_the_dequantized_weights_do(mixed_gguf):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
         for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
             assert abs(lx["logprob"] - ly["logprob"]) < 1e-4
+
+
+def test_the_torch_path_of_cuda_and_compilerless_cpus_computes_the_same(mixed_gguf):
+    """With the C kernels off, every part is dequantized by torch before its matmul (what
+    CUDA runs): the same tokens, logprobs within fp32 rounding."""
+    from xlserve import LLM, SamplingParams
+    from xlserve.kernels import cpu_ops
+    kept = LLM(mixed_gguf[0], dtype="float32", kv_cache_tokens=1024)
+    expected = kept.generate(PROMPTS, SamplingParams(**PARAMS))
+    cpu_ops.set_enabled(False)
+    try:
+        got = kept.generate(PROMPTS, SamplingParams(**PARAMS))
+    finally:
+        cpu_ops.set_enabled(True)
+    for x, y in zip(got, expected):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            assert abs(lx["logprob"] - ly["logprob"]) < 1e-4

@@ -2,7 +2,8 @@
 
 Setups, each in a fresh process, interleaved over ``--repeats`` rounds (medians and the
 min-max spread reported): xlserve keeping the weights as stored with fp32 activations (the
-default), with ``--int8-activations``, and dequantized (``--quantization none``); llama.cpp's
+default), with ``--int8-activations``, and dequantized (``--quantization none``, also with
+``--deterministic``: the cost of batch-invariant dense matmuls); llama.cpp's
 own ``llama-bench`` on the same file at its best (flash attention on and off, the faster
 counts per figure; its batch covers the prompt). Figures: batch-1 decode, a 512-token
 prefill, 32 sequences decoding together (xlserve), peak resident memory (xlserve).
@@ -25,6 +26,7 @@ XLSERVE_SETUPS = {
     "xlserve, kept as stored": {"quantization": "auto"},
     "xlserve, kept, --int8-activations": {"quantization": "auto", "int8_activations": True},
     "xlserve, dequantized": {"quantization": "none"},
+    "xlserve, dequantized, --deterministic": {"quantization": "none", "deterministic": True},
 }
 LLAMA_BENCH = "llama.cpp (llama-bench)"
 PROMPT, DECODE, BATCH, BATCH_TOKENS = 512, 128, 32, 32

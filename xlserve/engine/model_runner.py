@@ -55,6 +55,7 @@ class ModelRunner:
         self.tp, self.stage = tensor_parallel.current(), pipeline_parallel.current()
         arch = self.arch = loaded.arch
         self.dtype = loaded.dtype
+        self.deterministic = loaded.deterministic
         num_slots = num_blocks * block_size
         # one more block than the pool hands out: the scratch block that padding rows of a
         # CUDA graph write to; this rank's KV heads only
@@ -94,6 +95,7 @@ class ModelRunner:
         switched off (``cpu_ops.set_enabled``). Not under tensor or pipeline parallelism: the
         fused layer kernels hold whole layers, not slices, and the one-call decode every layer."""
         return (self.fused_shapes and self.tp.size == 1 and self.stage.count == 1 and self.device.type == "cpu"
+                and not self.deterministic  # the fused decode kernels reduce a decode row unlike a prompt row
                 and cpu_ops.kernels() is not None and self.dtype in (torch.bfloat16, torch.float32))
 
     def _contiguous_start(self, block_ids: list[int], tokens: int) -> int | None:

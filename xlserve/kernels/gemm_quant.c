@@ -284,3 +284,36 @@ void xl_linear_quant(int type, const float* x, const uint8_t* w, int64_t row_byt
     free(buf);
   }
 }
+
+/* Dense fp32 or bf16 weights [N, K] (K a multiple of 16): the same tiles and the same dot
+ * order per output as the quantized path, so under --deterministic every matmul reduces a
+ * row one way whatever the batch. fp32 tiles are read in place; bf16 ones widened (exactly)
+ * into the tile buffer, as is a last tile of fewer than NR rows. */
+void xl_linear_dense(const float* x, const void* w, int bf16, float* out, int64_t M, int64_t N, int64_t K,
+                     int64_t ldo, int threads) {
+  const int64_t tiles = (N + NR - 1) / NR;
+#pragma omp parallel num_threads(threads)
+  {
+    float* buf = (float*)aligned_alloc(64, sizeof(float) * NR * K);
+    memset(buf, 0, sizeof(float) * NR * K);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t n0 = t * NR;
+      const int rows = N - n0 < NR ? (int)(N - n0) : NR;
+      const float* tile = (const float*)w + n0 * K;
+      if (bf16) {
+        for (int r = 0; r < rows; ++r)
+          for (int64_t k = 0; k < K; k += VW) vstore(buf + r * K + k, vload_bf16((const uint16_t*)w + (n0 + r) * K + k));
+        tile = buf;
+      } else if (rows < NR) {
+        memcpy(buf, tile, sizeof(float) * rows * K);
+        tile = buf;
+      }
+      for (int64_t m = 0; m < M; m += MR_MAX) {
+        const int mr = M - m < MR_MAX ? (int)(M - m) : MR_MAX;
+        MICROS[mr](tile, x + m * K, K, out + m * ldo + n0, ldo, rows);
+      }
+    }
+    free(buf);
+  }
+}

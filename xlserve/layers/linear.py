@@ -13,7 +13,7 @@ import enum
 import torch
 from torch import nn
 
-from xlserve.kernels import cpu_ops
+from xlserve.kernels import cpu_ops, invariant_linear
 from xlserve.layers.quantized import HoldsQuantized, QuantizedWeight
 from xlserve.parallel import tensor_parallel
 
@@ -24,9 +24,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     bandwidth kernel, batches up to ``cpu_ops.AMX_MAX_ROWS`` rows the AMX kernel (both read
     the weight in place and add the residual); larger ones the prepacked twin of the weight
     when there is one (``prepack_linear_weights``), else torch. A weight kept in its file's
-    block format computes with its own kernel (``QuantizedWeight.linear``)."""
+    block format computes with its own kernel (``QuantizedWeight.linear``), and under
+    ``--deterministic`` a dense one with ``invariant_linear`` (one reduction order per row)."""
     if isinstance(weight, QuantizedWeight):
         return weight.linear(x, bias, residual)
+    if invariant_linear.applies(x, weight):  # --deterministic
+        return invariant_linear.linear(x, weight, bias, residual)
     if cpu_ops.use_linear(x, weight):
         return cpu_ops.linear_bf16(x, weight, bias, residual)
     if cpu_ops.use_amx(x, weight):

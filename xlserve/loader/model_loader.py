@@ -12,6 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from xlserve.config import ModelConfig
+from xlserve.kernels import invariant_linear
 from xlserve.kernels.cpu_ops import cpu_flags as _cpu_flags
 from xlserve.layers.quantized import describe as describe_quantized
 from xlserve.layers.quantized import set_activation_bits
@@ -36,6 +37,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     dtype: torch.dtype
     device: torch.device
+    deterministic: bool = False  # --deterministic: invariant kernels only, no fused decode paths
 
 
 def resolve_device(name: str) -> torch.device:
@@ -91,6 +93,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
     model.load_weights(bar)
     model.tie_weights()  # again: a head tied to an embedding kept quantized shares its blocks
     set_activation_bits(model, config.int8_activations)
+    if config.deterministic:
+        log.info("deterministic: %d dense weights on the batch-invariant kernel", invariant_linear.mark(model))
     if sliced:
         seconds = time.perf_counter() - started
         log.info("rank %d read %.1f MiB of the checkpoint's %.1f MiB in %.2f s (%.0f MiB/s)", stage.rank,
@@ -102,7 +106,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     return_freed_memory()
     log.info("loaded %s (%s, %s, %s) on %s; %s", source.name, arch.architecture, source.kind,
              str(dtype).removeprefix("torch."), device, describe_quantized(model))
-    return LoadedModel(source, arch, model, tokenizer, dtype, device)
+    return LoadedModel(source, arch, model, tokenizer, dtype, device, config.deterministic)
 
 
 def materialize(model: torch.nn.Module, device: torch.device) -> None:

@@ -1,0 +1,41 @@
+"""``deterministic=True``: output that does not depend on the step a token is computed in —
+alone or in a batch of mixed lengths, chunked, after a prefix hit, recomputed after
+preemption, on one thread or two — bit for bit, in float32 and in bfloat16."""
+
+import pytest
+import torch
+
+from xlserve import LLM, SamplingParams
+
+PARAMS = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1),
+          SamplingParams(max_tokens=10, temperature=0.9, seed=5, ignore_eos=True, logprobs=1)]
+
+
+def _prompts() -> list[list[int]]:
+    return [[(7 * i + j) % 300 + 3 for j in range(3 + 9 * i)] for i in range(16)]
+
+
+def _run(llm: LLM, prompts: list[list[int]], first: int = 0) -> list[tuple]:
+    """Prompt i (counted from ``first``) greedy when i is even, sampled with a seed when odd."""
+    outs = llm.generate(prompts, [PARAMS[(first + i) % 2] for i in range(len(prompts))])
+    return [(tuple(o.outputs[0].token_ids), tuple(lp["logprob"] for lp in o.outputs[0].logprobs)) for o in outs]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_deterministic_output_does_not_depend_on_the_step(tiny_model_dirs, name, dtype):
+    path, prompts = tiny_model_dirs[name], _prompts()
+    llm = LLM(path, dtype=dtype, deterministic=True, kv_cache_tokens=2048)
+    batched = _run(llm, prompts)
+    assert len({tokens for tokens, _ in batched}) > 8  # the prompts are answered differently
+    assert [_run(llm, [p], i)[0] for i, p in enumerate(prompts[:4])] == batched[:4]  # alone, after prefix hits
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert _run(llm, prompts[4:8], 4) == batched[4:8]
+    finally:
+        torch.set_num_threads(before)
+    small = LLM(path, dtype=dtype, deterministic=True, num_kv_blocks=14, max_num_batched_tokens=16,
+                enable_prefix_caching=False)
+    assert _run(small, prompts[8:16], 8) == batched[8:16]  # chunked, and recomputed after preemption
+    assert small.engine.stats()["num_preemptions"] > 0

@@ -1,0 +1,47 @@
+"""The dense CPU matmul of ``--deterministic`` (``gemm_quant.c:xl_linear_dense``): each output
+one dot product in a fixed order, whatever the number of rows, the tile or the thread, as
+the quantized-weight kernel computes. oneDNN's and MKL's matmuls pick their blocking by
+shape, so a row's result moves with the batch it is in; this one does not."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from xlserve.kernels import portable_library
+
+MARK = "_xlserve_invariant"  # set on a weight whose matmuls take this kernel (a model loaded --deterministic)
+
+
+def mark(model: nn.Module) -> int:
+    """Mark every dense CPU matmul weight this kernel takes (fp32 or bf16, input width a
+    multiple of 16); returns how many."""
+    count = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.device.type == "cpu"
+                and weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[1] % 16 == 0):
+            setattr(weight, MARK, True)
+            count += 1
+    return count
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return getattr(weight, MARK, False) and x.device.type == "cpu" and portable_library.kernels() is not None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           residual: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T (+ bias) (+ residual)``: fp32 products, rounded to ``x``'s dtype once."""
+    n, k = weight.shape
+    rows = x.reshape(-1, k)
+    if rows.dtype != torch.float32 or not rows.is_contiguous():
+        rows = rows.float().contiguous()
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    portable_library.kernels().xl_linear_dense(rows.data_ptr(), w.data_ptr(), int(w.dtype == torch.bfloat16),
+                                               out.data_ptr(), rows.shape[0], n, k, n, torch.get_num_threads())
+    if bias is not None:
+        out += bias
+    out = out.to(x.dtype).view(*x.shape[:-1], n)
+    return out if residual is None else residual + out
