@@ -143,9 +143,6 @@ static void dequant_row(const block_kind* k, const uint8_t* row, int64_t K, floa
   for (int64_t i = 0; i < K / k->values; ++i) k->fn(row + i * k->bytes, y + i * k->values);
 }
 
-/* 1 if ``type`` is one this file computes with (the caller checks before any other call). */
-int xl_quant_supported(int type) { return kind_of(type) != NULL; }
-
 /* out[n, :] = dequant(w row ids[n]) for n < count: an embedding lookup. */
 void xl_dequant_rows(int type, const uint8_t* w, int64_t row_bytes, const int64_t* ids, int64_t count, int64_t K,
                      float* out, int threads) {

@@ -40,7 +40,6 @@ P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
     "xl_linear_quant": ([I32, P, P, I64, P, I64, I64, I64, I64, I32, I32], None),
     "xl_dequant_rows": ([I32, P, I64, P, I64, I64, P, I32], None),
-    "xl_quant_supported": ([I32], ctypes.c_int),
     "xl_linear_dense": ([P, P, I32, P, I64, I64, I64, I64, I32], None),
     "xl_paged_attention": ([P, I64, I64, I64, I64, I64, P, P, P, I64, P, P, F32, P, I32, I32], None),
 }

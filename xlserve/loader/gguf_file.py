@@ -26,6 +26,7 @@ from xlserve.models.registry import GGUF_ARCHITECTURES, GGUF_MOE_ARCHITECTURES
 
 log = logging.getLogger(__name__)
 KEPT_TYPES = {int(t) for t in BlockType}
+UNQUANTIZED_TYPES = {0, 1, 30}  # ggml's F32, F16, BF16
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _ABSORBED_RE = re.compile(r"blk\.(\d+)\.attn_([kv])_b\.weight$")
 ROPE_FREQS = "rope_freqs.weight"
@@ -100,13 +101,7 @@ class GGUFFile:
         for t in self.tensors:
             if t.name == ROPE_FREQS:  # already in the config
                 continue
-            if keep_quantized and t.qtype in KEPT_TYPES and len(t.shape) == 2:
-                tensor = QuantizedWeight.from_blocks(t.qtype, torch.from_numpy(np.array(tensor_bytes(self._data, t))),
-                                                     t.shape)
-            else:
-                tensor = self._tensor(t)
-                if keep_quantized and t.qtype not in (0, 1, 30) and len(t.shape) >= 2:  # F32, F16, BF16
-                    dequantized[tensor_type_name(t.qtype)] = dequantized.get(tensor_type_name(t.qtype), 0) + 1
+            tensor = self._read(t, keep_quantized, dequantized)
             release(self._data, t)
             if _ABSORBED_RE.match(t.name):
                 absorbed[t.name] = tensor
@@ -127,6 +122,17 @@ class GGUFFile:
                      str(dtype).removeprefix("torch."))
         if absorbed:
             raise ValueError(f"GGUF file {self.path!r} has {', '.join(sorted(absorbed))} without its other half")
+
+    def _read(self, t: TensorInfo, keep_quantized: bool, dequantized: dict[str, int]) -> torch.Tensor | QuantizedWeight:
+        """A matmul weight in a kept block format as stored (when asked), else a tensor;
+        ``dequantized`` counts the block-quantized tensors that had to be dequantized."""
+        if keep_quantized and t.qtype in KEPT_TYPES and len(t.shape) == 2:
+            raw = torch.from_numpy(np.array(tensor_bytes(self._data, t)))  # copied: the pages are released
+            return QuantizedWeight.from_blocks(t.qtype, raw, t.shape)
+        if keep_quantized and t.qtype not in UNQUANTIZED_TYPES and len(t.shape) >= 2:
+            name = tensor_type_name(t.qtype)
+            dequantized[name] = dequantized.get(name, 0) + 1
+        return self._tensor(t)
 
     def _tensor(self, t: TensorInfo) -> torch.Tensor:
         from gguf import GGMLQuantizationType as Q
