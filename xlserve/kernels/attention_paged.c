@@ -15,21 +15,13 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
-
+#include "bf16.h"
 #include "vec_portable.h"
 
 #define KT 16 /* keys per tile: one rescale of the running sum per tile */
 
 static inline vf load_lanes(const void* p, int64_t i, int bf16) {
   return bf16 ? vload_bf16((const uint16_t*)p + i) : vload((const float*)p + i);
-}
-
-static inline uint16_t round_bf16(float f) {
-  uint32_t bits;
-  memcpy(&bits, &f, 4);
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return (uint16_t)(bits >> 16);
 }
 
 /* One (row, head): q [D] fp32 in qf; keys/values at ``slots[0 .. len)`` of the cache, head kh. */
@@ -87,7 +79,7 @@ void xl_paged_attention(const void* q, int64_t q_stride, int64_t T, int64_t Hq, 
       if (bf16) attend(qf, k_cache, v_cache, slots, row_len[t], slot_stride, h / group, D, scale, 1, acc);
       else attend(qf, k_cache, v_cache, slots, row_len[t], slot_stride, h / group, D, scale, 0, acc);
       if (bf16) {
-        for (int64_t d = 0; d < D; ++d) ((uint16_t*)out)[i * D + d] = round_bf16(acc[d]);
+        for (int64_t d = 0; d < D; ++d) ((uint16_t*)out)[i * D + d] = f32_to_bf16(acc[d]);
       } else {
         for (int64_t d = 0; d < D; ++d) ((float*)out)[i * D + d] = acc[d];
       }

@@ -17,6 +17,7 @@
 #include <stdlib.h>
 
 #include "quant_blocks.h"
+#include "vec_portable.h"
 
 #define NR 4 /* weight rows per tile: independent accumulation chains */
 
@@ -43,13 +44,6 @@ static void quantize_row(const float* x, int64_t K, int8_t* q, act_block* blocks
     blocks[b].d = half_round(d);
     blocks[b].s = half_round(d * (float)sum);
   }
-}
-
-static inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 /* 16 bytes of nibbles -> 32 bytes: low nibbles are values 0..15, high ones 16..31. */
@@ -95,7 +89,7 @@ static inline __attribute__((always_inline)) void tile_dot(int type, const uint8
       acc[r] = _mm256_fmadd_ps(d, dot, acc[r]);
     }
   }
-  for (int r = 0; r < rows; ++r) out[r] = hsum8(acc[r]) + mins[r];
+  for (int r = 0; r < rows; ++r) out[r] = hsum256(acc[r]) + mins[r];
 }
 
 static inline __attribute__((always_inline)) void tiles_of(int type, const uint8_t* w, int64_t row_bytes,

@@ -180,6 +180,16 @@ typedef void (*micro_fn)(const float*, const float*, int64_t, float*, int64_t, i
 static const micro_fn MICROS[3] = {0, micro_1, micro_2};
 #endif
 
+/* Every activation row against one tile of NR dequantized weight rows (``rows`` real), MR_MAX
+ * rows at a time: the tiled path of the quantized and the dense matmul alike. */
+static void multiply_tile(const float* tile, int rows, const float* x, int64_t M, int64_t K, float* out,
+                          int64_t ldo) {
+  for (int64_t m = 0; m < M; m += MR_MAX) {
+    const int mr = M - m < MR_MAX ? (int)(M - m) : MR_MAX;
+    MICROS[mr](tile, x + m * K, K, out + m * ldo, ldo, rows);
+  }
+}
+
 /* A 32-value block dequantized into VPB vectors, the same values as block_* computes (the
  * same fp32 products and sums): the weight never goes through memory as floats. */
 static inline void regs_q8_0(const uint8_t* b, vf* w) {
@@ -267,16 +277,15 @@ void xl_linear_quant(int type, const float* x, const uint8_t* w, int64_t row_byt
 #pragma omp parallel num_threads(threads)
   {
     float* buf = (float*)aligned_alloc(64, sizeof(float) * NR * K); /* K * 4 is a multiple of 128 */
-    memset(buf, 0, sizeof(float) * NR * K); /* rows past N in the last tile multiply zeros */
+    /* a last tile's rows past N multiply whatever the buffer holds and are never stored;
+     * zeroed once so that is never uninitialized memory */
+    memset(buf, 0, sizeof(float) * NR * K);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t n0 = t * NR;
       const int rows = N - n0 < NR ? (int)(N - n0) : NR;
       for (int r = 0; r < rows; ++r) dequant_row(kind, w + (n0 + r) * row_bytes, K, buf + r * K);
-      for (int64_t m = 0; m < M; m += MR_MAX) {
-        const int mr = M - m < MR_MAX ? (int)(M - m) : MR_MAX;
-        MICROS[mr](buf, x + m * K, K, out + m * ldo + n0, ldo, rows);
-      }
+      multiply_tile(buf, rows, x, M, K, out + n0, ldo);
     }
     free(buf);
   }
@@ -300,16 +309,14 @@ void xl_linear_dense(const float* x, const void* w, int bf16, float* out, int64_
       const float* tile = (const float*)w + n0 * K;
       if (bf16) {
         for (int r = 0; r < rows; ++r)
-          for (int64_t k = 0; k < K; k += VW) vstore(buf + r * K + k, vload_bf16((const uint16_t*)w + (n0 + r) * K + k));
+          for (int64_t k = 0; k < K; k += VW)
+            vstore(buf + r * K + k, vload_bf16((const uint16_t*)w + (n0 + r) * K + k));
         tile = buf;
       } else if (rows < NR) {
         memcpy(buf, tile, sizeof(float) * rows * K);
         tile = buf;
       }
-      for (int64_t m = 0; m < M; m += MR_MAX) {
-        const int mr = M - m < MR_MAX ? (int)(M - m) : MR_MAX;
-        MICROS[mr](tile, x + m * K, K, out + m * ldo + n0, ldo, rows);
-      }
+      multiply_tile(tile, rows, x, M, K, out + n0, ldo);
     }
     free(buf);
   }

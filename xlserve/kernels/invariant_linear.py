@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from xlserve.kernels import portable_library
+from xlserve.kernels import portable_library, quant_ops
 
 MARK = "_xlserve_invariant"  # set on a weight whose matmuls take this kernel (a model loaded --deterministic)
 
@@ -34,14 +34,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            residual: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight.T (+ bias) (+ residual)``: fp32 products, rounded to ``x``'s dtype once."""
     n, k = weight.shape
-    rows = x.reshape(-1, k)
-    if rows.dtype != torch.float32 or not rows.is_contiguous():
-        rows = rows.float().contiguous()
+    rows = quant_ops.fp32_rows(x, k)
     w = weight if weight.is_contiguous() else weight.contiguous()
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)
     portable_library.kernels().xl_linear_dense(rows.data_ptr(), w.data_ptr(), int(w.dtype == torch.bfloat16),
                                                out.data_ptr(), rows.shape[0], n, k, n, torch.get_num_threads())
-    if bias is not None:
-        out += bias
-    out = out.to(x.dtype).view(*x.shape[:-1], n)
-    return out if residual is None else residual + out
+    return quant_ops.finish(out, x, bias, residual)

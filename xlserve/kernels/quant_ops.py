@@ -1,11 +1,28 @@
 """The quantized-weight matmul and row lookup (``gemm_quant.c``): thin ctypes wrappers over
-``portable_library``'s build."""
+``portable_library``'s build, and the fp32 row layout and epilogue that its matmuls (quantized
+and ``--deterministic`` dense) share."""
 
 from __future__ import annotations
 
 import ctypes
 
 import torch
+
+
+def fp32_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x`` as contiguous float32 rows of ``k`` values: what the kernels read."""
+    rows = x.reshape(-1, k)
+    return rows if rows.dtype == torch.float32 and rows.is_contiguous() else rows.float().contiguous()
+
+
+def finish(out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
+           residual: torch.Tensor | None) -> torch.Tensor:
+    """The kernels' float32 products [rows, N] ``+ bias``, rounded to ``x``'s dtype once, in
+    ``x``'s leading shape, ``+ residual``."""
+    if bias is not None:
+        out += bias
+    out = out.to(x.dtype).view(*x.shape[:-1], out.shape[1])
+    return out if residual is None else residual + out
 
 
 def linear(lib: ctypes.CDLL, qtype: int, x: torch.Tensor, data: torch.Tensor, out: torch.Tensor,

@@ -5,6 +5,14 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+/* the 8 lanes of v summed in a fixed order (the AVX2 build's vsum; dot_q8.c's 8-lane sums) */
+static inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
 #if defined(__AVX512F__)
 typedef __m512 vf;
 #define VW 16
@@ -38,12 +46,7 @@ typedef __m256 vf;
 #define vadd _mm256_add_ps
 #define vsub _mm256_sub_ps
 #define vmax _mm256_max_ps
-static inline float vsum(vf v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+static inline float vsum(vf v) { return hsum256(v); }
 static inline vf vload_bf16(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }

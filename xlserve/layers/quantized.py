@@ -71,9 +71,6 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return sum(p.data.nbytes for p in self.parts)
 
-    def complete(self) -> bool:
-        return sum(p.rows for p in self.parts) == self.shape[0]
-
     def take_rows(self, order: torch.Tensor) -> QuantizedWeight:
         """Rows reordered (``order[i]`` becomes row i); a weight of one part."""
         if len(self.parts) != 1:
@@ -111,9 +108,7 @@ class QuantizedWeight:
                residual: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T (+ bias) (+ residual)`` in float32, rounded to ``x``'s dtype."""
         n, k = self.shape
-        rows = x.reshape(-1, k)
-        if rows.dtype != torch.float32 or not rows.is_contiguous():
-            rows = rows.float().contiguous()
+        rows = quant_ops.fp32_rows(x, k)
         out = torch.empty(rows.shape[0], n, dtype=torch.float32, device=x.device)
         lib = portable_library.kernels() if x.device.type == "cpu" else None
         if lib is not None:  # a decode step makes ~120 of these calls: their arguments are prepared once
@@ -124,12 +119,7 @@ class QuantizedWeight:
         for p in self.parts:
             if lib is None or p.qtype is None:
                 torch.matmul(rows, p.dense(k).T, out=out[:, p.start:p.start + p.rows])
-        if bias is not None:
-            out += bias
-        if x.dtype != torch.float32:
-            out = out.to(x.dtype)
-        out = out.view(*x.shape[:-1], n)
-        return out if residual is None else residual + out
+        return quant_ops.finish(out, x, bias, residual)
 
     def _prepare_kernel_calls(self) -> list[tuple[int, int, int, int, int]]:
         self._kernel_calls = [(int(p.qtype), p.data.data_ptr(), p.data.shape[1], p.rows, p.start)
