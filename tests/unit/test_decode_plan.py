@@ -12,6 +12,8 @@ from xlserve.layers.moe import ROUTES
 from xlserve.models.arch import DIMENSIONS, FEATURES, ModelArch, Router
 
 ALL_FAST = StepShape(decode_only=True, rows=2, graph_fits=False, cpu_kernels=True, one_call_fits=True)
+PORTABLE = StepShape(decode_only=True, rows=2, graph_fits=False, cpu_kernels=False, one_call_fits=False,
+                     portable_fits=True)
 
 
 def test_every_model_flag_is_declared_by_every_path():
@@ -34,6 +36,11 @@ def test_every_model_flag_is_declared_by_every_path():
     (dataclasses.replace(ALL_FAST, cpu_kernels=False), frozenset(), DecodePath.EAGER),  # no AVX-512 / library
     (dataclasses.replace(ALL_FAST, graph_fits=True, cpu_kernels=False), frozenset({"qk_norm"}),
      DecodePath.CUDA_GRAPH),
+    # CPUs without the AVX-512 kernels: the portable one-call step, or eager where it does not fit
+    (PORTABLE, frozenset({"attention_bias", "tie_word_embeddings", "rope_scaling"}), DecodePath.PORTABLE_ONE_CALL),
+    (PORTABLE, frozenset({"qk_norm"}), DecodePath.EAGER),
+    (dataclasses.replace(PORTABLE, rows=65), frozenset(), DecodePath.EAGER),
+    (dataclasses.replace(PORTABLE, decode_only=False), frozenset(), DecodePath.EAGER),
 ])
 def test_the_fastest_path_that_takes_the_step_and_the_model(step, features, expected):
     assert plan_decode(step, features, max_fused_rows=64) is expected

@@ -22,6 +22,8 @@ IMPLEMENTS: dict[DecodePath, frozenset[str]] = {
     # the C layer adds the QKV bias and takes rotary tables computed (scaled) in Python; the
     # LM head runs after it; it has no q/k RMSNorm
     DecodePath.ONE_CALL: frozenset({"attention_bias", "tie_word_embeddings", "rope_scaling"}),
+    # the same layer (both biases), on the portable kernels
+    DecodePath.PORTABLE_ONE_CALL: frozenset({"attention_bias", "tie_word_embeddings", "rope_scaling"}),
     # per layer from Python: q/k norms run in torch between the fused kernels
     DecodePath.FUSED_LAYERS: frozenset({"attention_bias", "qk_norm", "tie_word_embeddings", "rope_scaling"}),
     DecodePath.EAGER: FEATURES,
@@ -36,13 +38,17 @@ class StepShape:
     graph_fits: bool  # a captured CUDA graph covers this batch and context
     cpu_kernels: bool  # the CPU kernels apply (device, dtype, head shapes, library loaded)
     one_call_fits: bool  # the weights and row count suit the one-call C layer
+    # the portable kernels run this model's decode step as the eager path computes it (CPU
+    # without the AVX-512 kernels, one rank, weights the step takes: models/llama.py:step_entry)
+    portable_fits: bool = False
 
 
 def plan_decode(step: StepShape, features: frozenset[str], max_fused_rows: int) -> DecodePath:
     """The fastest path that takes this step and implements every feature of the model."""
     fused = step.cpu_kernels and step.decode_only and step.rows <= max_fused_rows
+    portable = step.portable_fits and step.decode_only and step.rows <= max_fused_rows
     for path, applies in ((DecodePath.CUDA_GRAPH, step.graph_fits), (DecodePath.ONE_CALL, fused and step.one_call_fits),
-                          (DecodePath.FUSED_LAYERS, fused)):
+                          (DecodePath.PORTABLE_ONE_CALL, portable), (DecodePath.FUSED_LAYERS, fused)):
         if applies and features <= IMPLEMENTS[path]:
             return path
     return DecodePath.EAGER

@@ -19,7 +19,7 @@ from xlserve.engine.guided import GuidedDecoding
 from xlserve.engine.kv_groups import KVGroup, plan_groups
 from xlserve.engine.sampler import Sampler, apply_penalties
 from xlserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from xlserve.kernels import cpu_ops
+from xlserve.kernels import cpu_ops, portable_library
 from xlserve.layers.attention import AttentionMetadata, PrefillChunk, additive_mask, block_table, decode_context
 from xlserve.loader.model_loader import LoadedModel
 from xlserve.models.arch import FEATURES
@@ -98,6 +98,15 @@ class ModelRunner:
                 and not self.deterministic  # the fused decode kernels reduce a decode row unlike a prompt row
                 and cpu_ops.kernels() is not None and self.dtype in (torch.bfloat16, torch.float32))
 
+    def _portable_step_applies(self) -> bool:
+        """The portable one-call decode step takes this model: one rank on the CPU, the kernels
+        built and the AVX-512 ones not (``portable_library.row_kernels``' rule), every layer one
+        it computes as the eager path does. Allowed under ``--deterministic``: the same bits."""
+        fits = getattr(self.model, "step_fits", None)
+        return (self.tp.size == 1 and self.stage.count == 1 and self.device.type == "cpu" and fits is not None
+                and self.dtype in (torch.bfloat16, torch.float32) and cpu_ops.kernels() is None
+                and portable_library.kernels() is not None and fits())
+
     def _contiguous_start(self, block_ids: list[int], tokens: int) -> int | None:
         """First slot of the first ``tokens`` positions when they lie in consecutive blocks
         (then attention reads the cache in place instead of gathering it), else None."""
@@ -114,7 +123,8 @@ class ModelRunner:
         rows = len(scheduled)
         one_call = getattr(self.model, "one_call_fits", None)
         step = StepShape(decode_only, rows, graph_fits=self._graph_fits(scheduled), cpu_kernels=cpu_kernels,
-                         one_call_fits=decode_only and one_call is not None and one_call(rows))
+                         one_call_fits=decode_only and one_call is not None and one_call(rows),
+                         portable_fits=decode_only and self._portable_step_applies())
         return plan_decode(step, self.features, cpu_ops.MAX_ROWS)
 
     def _build_metadata(self, scheduled: list[ScheduledRequest], path: DecodePath,

@@ -1,5 +1,5 @@
-"""The kernels built per instruction set (``gemm_quant.c``, ``dot_q8.c``, ``attention_paged.c``) on first
-use and called through ctypes (which releases the GIL).
+"""The kernels built per instruction set (``gemm_quant.c``, ``dot_q8.c``, ``attention_paged.c``,
+``decode_step.c``) on first use and called through ctypes (which releases the GIL).
 
 Two builds of the same sources: AVX-512 where the CPU has it, AVX2 + FMA + F16C elsewhere
 (every x86-64 CPU since 2013), so AMD and Intel CPUs alike run them. Tests build both where
@@ -15,10 +15,12 @@ import functools
 import logging
 from pathlib import Path
 
+import torch
+
 from xlserve.kernels import cpu_ops
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(n) for n in ("gemm_quant.c", "dot_q8.c", "attention_paged.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("gemm_quant.c", "dot_q8.c", "attention_paged.c", "decode_step.c")]
 COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]  # exact dequantization: no fused mul-add
 
 
@@ -42,6 +44,10 @@ SIGNATURES = {
     "xl_dequant_rows": ([I32, P, I64, P, I64, I64, P, I32], None),
     "xl_linear_dense": ([P, P, I32, P, I64, I64, I64, I64, I32], None),
     "xl_paged_attention": ([P, I64, I64, I64, I64, I64, P, P, P, I64, P, P, F32, P, I32, I32], None),
+    "xl_row_rmsnorm": ([P, P, P, I64, I64, F32, I32, I32], None),
+    "xl_row_silu_mul": ([P, P, I64, I64, I32, I32], None),
+    "xl_decode_step": ([P, I64, I64, I64, P, F32, I64, I64, I64, I64, P, P, P, P, I64, P, P, F32, I32, I32], None),
+    "xl_decode_step_layer_fields": ([], I64),
 }
 
 
@@ -82,3 +88,15 @@ def kernels() -> ctypes.CDLL | None:
                     log.info("portable CPU kernels: %s", isa.value)
                     break
     return _chosen if cpu_ops.enabled() else None
+
+
+def row_kernels(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """The build, when its row kernels (RMSNorm, SiLU-and-multiply) compute these tensors in the
+    eager path: CPU, fp32 or bf16, and the AVX-512 decode kernels (``cpu_ops``) not loaded
+    (where they are, the eager path rounds as they do). The one-call decode step
+    (``decode_step.c``) calls the same kernels, so a row gets the same bits on both paths.
+    Nothing here may depend on the batch (not even contiguity, which a one-row view has and a
+    many-row one lacks): a row must take the same kernel alone or batched."""
+    if not all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16) for t in tensors):
+        return None
+    return kernels() if cpu_ops.kernels() is None else None

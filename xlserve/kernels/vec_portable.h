@@ -25,6 +25,7 @@ typedef __m512 vf;
 #define vadd _mm512_add_ps
 #define vsub _mm512_sub_ps
 #define vmax _mm512_max_ps
+#define vmin _mm512_min_ps
 static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
 /* VW bf16 values (raw bits) -> fp32, exact */
 static inline vf vload_bf16(const uint16_t* p) {
@@ -46,6 +47,7 @@ typedef __m256 vf;
 #define vadd _mm256_add_ps
 #define vsub _mm256_sub_ps
 #define vmax _mm256_max_ps
+#define vmin _mm256_min_ps
 static inline float vsum(vf v) { return hsum256(v); }
 static inline vf vload_bf16(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));

@@ -73,6 +73,9 @@ class DecodePath(str, enum.Enum):
     """The path of one step's forward (decided by ``engine/decode_plan.py:plan_decode``)."""
     CUDA_GRAPH = "cuda_graph"  # a decode step replayed from a captured CUDA graph of the eager model
     ONE_CALL = "one_call"  # every layer of a CPU decode step in one C call (cpu_ops.decode_layers_)
+    # every layer in one call of the kernels built for any x86-64 CPU (kernels/decode_step.c):
+    # weights kept quantized or dense under --deterministic, the eager path's bits
+    PORTABLE_ONE_CALL = "portable_one_call"
     FUSED_LAYERS = "fused_layers"  # CPU decode step, each layer on the fused kernels from Python
     EAGER = "eager"  # torch ops: prefill chunks, mixed steps, and whatever no fast path takes
 

@@ -31,6 +31,9 @@ class Gemma3DecoderLayer(nn.Module):
     def one_call_fits(self, rows: int) -> bool:
         return False  # the C decode layer is Llama's
 
+    def step_entry(self) -> None:
+        return None  # so is the portable decode step's
+
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
     qk_norm = True

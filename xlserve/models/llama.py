@@ -12,14 +12,14 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from xlserve.kernels import cpu_ops
+from xlserve.kernels import cpu_ops, decode_step, portable_library
 from xlserve.layers.attention import AttentionMetadata, DecodePath, Window, get_attention_backend
 from xlserve.layers.embedding import Embedding, LMHead
 from xlserve.layers.linear import Linear, MergedLinear, Split, copy_checked, linear
 from xlserve.layers.mla import LatentAttention
 from xlserve.layers.mlp import MLP
 from xlserve.layers.moe import EXPERT_PARTS, SparseMoE
-from xlserve.layers.norm import normalized, rms_norm
+from xlserve.layers.norm import RMSNorm, normalized, rms_norm
 from xlserve.layers.quantized import HoldsQuantized, QuantizedWeight
 from xlserve.layers.rotary import PositionEncoding, QueryTemperature, RotaryEmbedding
 from xlserve.models.arch import ModelArch
@@ -126,8 +126,8 @@ class DecoderLayer(nn.Module):
         rows (the row kernel) or up to ``cpu_ops.AMX_MAX_ROWS`` where every projection fits
         AMX (the features it implements: ``engine/decode_plan.py``)."""
         attn, mlp = self.self_attn, self.mlp
-        if not isinstance(attn, Attention) or not isinstance(mlp, MLP):
-            return False
+        if not isinstance(attn, Attention) or not isinstance(mlp, MLP) or attn.o_proj.bias is not None:
+            return False  # (the C layer adds the q/k/v bias only)
         weights = (attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight)
         if any(not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 for w in weights) \
                 or not cpu_ops.usable(attn.qkv_proj.weight):  # kept-quantized weights: their own kernel
@@ -144,6 +144,25 @@ class DecoderLayer(nn.Module):
                    attn.qkv_proj.bias, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
                    *attn.kv_cache)
         return [t.data_ptr() if t is not None else 0 for t in tensors]
+
+    def step_entry(self) -> list[int] | None:
+        """This layer's row of the portable decode step's table (``kernels/decode_step.py``), or
+        None where that step would not compute what the eager path does."""
+        attn, mlp, norms = self.self_attn, self.mlp, (self.input_layernorm, self.post_attention_layernorm)
+        if not (isinstance(attn, Attention) and isinstance(mlp, MLP) and all(type(n) is RMSNorm for n in norms)
+                and attn.rope_in_kernel and attn.window is None and attn.sinks is None and attn.kv_group == 0
+                and mlp.act is nn.functional.silu and attn.head_dim <= decode_step.MAX_HEAD_DIM):
+            return None
+        dtype = norms[0].weight.dtype
+        if any(c.dtype != dtype or not c.is_contiguous() for c in attn.kv_cache):
+            return None
+        tensors = [decode_step.tensor_address(t, dtype) for t in (*(n.weight for n in norms), attn.qkv_proj.bias,
+                                                                  attn.o_proj.bias, *attn.kv_cache)]
+        projections = [decode_step.projection_entry(m.weight, dtype)
+                       for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if None in tensors or None in projections:
+            return None
+        return tensors + [value for entry in projections for value in entry]
 
     def _forward_fused(self, tables, x, meta):
         """The same layer on the fused decode kernels, a dozen calls instead of ~35 ops (more
@@ -178,6 +197,7 @@ class DecoderModel(nn.Module):
             if stage.last else None
         # [layers, 9] addresses for the one-call decode; bind_kv_cache resets them
         self.layer_addresses: torch.Tensor | None = None
+        self._step_table: torch.Tensor | bool | None = None  # the portable step's; False: a layer it cannot take
 
     @staticmethod
     def _position_encodings(arch: ModelArch) -> list[PositionEncoding]:
@@ -198,6 +218,8 @@ class DecoderModel(nn.Module):
         tables = {id(e): e.tables(positions, x.dtype) for e in self.encodings}
         if meta.decode_path is DecodePath.ONE_CALL:
             return self.norm(self._decode_in_one_call(tables[id(self.rotary)], x, meta))
+        if meta.decode_path is DecodePath.PORTABLE_ONE_CALL:
+            return self.norm(self._decode_portable(tables[id(self.rotary)], x, meta))
         for layer in self.held:
             x = layer(tables[id(layer.self_attn.positional)], x, meta)
         return self.norm(x) if self.norm is not None else x
@@ -220,6 +242,26 @@ class DecoderModel(nn.Module):
         cpu_ops.decode_layers_(x, self.layer_addresses, first.input_layernorm.eps, attn.num_heads,
                                attn.num_kv_heads, attn.head_dim, first.mlp.down_proj.weight.shape[1], *cos_sin,
                                meta.slot_mapping, meta.decode_slots, meta.decode_lens)
+        return x
+
+    def step_table(self) -> torch.Tensor | None:
+        """[layers, fields] int64 for the portable one-call decode step, built on first use
+        (``bind_kv_cache`` resets it); None when a layer is one it cannot take."""
+        if self._step_table is None:
+            rows = [layer.step_entry() for layer in self.layers] if self.stage.count == 1 else [None]
+            self._step_table = torch.tensor(rows, dtype=torch.int64) if None not in rows else False
+        return self._step_table if self._step_table is not False else None
+
+    def _decode_portable(self, cos_sin, x, meta):
+        """Every layer of a decode step in one call of the portable kernels (``decode_step.c``):
+        the eager path's bits, without ~120 kernel calls from Python per token."""
+        first = self.layers[0]
+        attn = first.self_attn
+        x = x.contiguous().clone()
+        decode_step.decode_step_(portable_library.kernels(), x, self.step_table(), first.input_layernorm.eps,
+                                 attn.num_heads, attn.num_kv_heads, attn.head_dim, first.mlp.down_proj.weight.shape[1],
+                                 *cos_sin, meta.slot_mapping, meta.decode_slots, meta.decode_lens,
+                                 attn.scale or attn.head_dim ** -0.5)
         return x
 
 
@@ -246,6 +288,10 @@ class LlamaForCausalLM(nn.Module):
     def one_call_fits(self, rows: int) -> bool:
         return self.model.stage.count == 1 and self.model.layers[0].one_call_fits(rows)
 
+    def step_fits(self) -> bool:
+        """The portable one-call decode step takes every layer (``DecoderModel.step_table``)."""
+        return self.model.step_table() is not None
+
     def __init__(self, arch: ModelArch):
         super().__init__()
         self.arch = arch
@@ -270,6 +316,7 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.kv_cache = cache
             layer.self_attn.kv_group = groups[i] if groups else 0
         self.model.layer_addresses = None  # the addresses include the caches: rebuilt on next use
+        self.model._step_table = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
