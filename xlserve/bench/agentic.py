@@ -1,11 +1,15 @@
 """An agentic multi-turn workload against an OpenAI-compatible server.
 
 N sessions x T turns. Every session shares a large system prompt with tool definitions,
-then works on a long context of its own; each turn appends the server's answer and a new short user message
-(a growing history),
-asks for a short, tool-call-shaped answer, and sends ``x-session-affinity``. Measured per
-turn over the streamed answer: TTFT, inter-token latencies, prompt / cached / completion
-tokens and cost.
+then works on a long context of its own; each turn asks for a short answer of exactly
+``max_tokens`` tokens (``ignore_eos``), sends ``x-session-affinity``, and appends a new
+short user message and the session's scripted tool call for that turn (a growing history).
+
+Every setup sees the same requests: each session draws from its own generator, seeded by
+the run's seed and its index (not one generator shared in whatever order the sessions'
+turns interleave), and the history records the scripted answer, not the server's text, so
+what a server answered does not change its later prompts. Measured per turn over the
+streamed answer: TTFT, inter-token latencies, prompt / cached / completion tokens and cost.
 """
 
 from __future__ import annotations
@@ -91,13 +95,35 @@ def _cost(usage: dict, cached: int) -> float:
 
 async def _turn(client: httpx.AsyncClient, url: str, model: str, messages: list, session: str,
                 max_tokens: int) -> tuple[TurnResult, str]:
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     return await stream_request(client, url, "/v1/chat/completions", body, {"x-session-affinity": session})
+
+
+def session_turns(seed: int, i: int, turns: int) -> list[list[dict]]:
+    """Session ``i``'s request messages, turn by turn: a function of the run's seed and the
+    index alone (its own generator, string-seeded: the same draws in every process), so every
+    server gets the same requests whatever it answered and however sessions interleave."""
+    rng = random.Random(f"{seed}/{i}")
+    # Each session works on its own file: a long per-session context after the shared system
+    # prompt, so where a session's turns land decides what the cache holds.
+    words = [rng.choice(("alloc", "block", "free", "queue", "hash", "token", "step", "cache", "pin",
+                         "batch", "chunk", "evict")) + str(rng.randrange(1000)) for _ in range(400)]
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"Here is the file for session {i}:\n" + " ".join(words)},
+                {"role": "assistant", "content": "I have read the file."}]
+    requests = []
+    for t in range(turns):
+        messages.append({"role": "user", "content": f"[task {i}.{t}] {rng.choice(ASKS)}"})
+        requests.append(list(messages))
+        tool = rng.choice(TOOLS)["function"]  # the history records a scripted tool call as the answer
+        arg = next(iter(tool["parameters"]["properties"]))
+        call = {"name": tool["name"], "arguments": {arg: f"item{rng.randrange(1000)}"}}
+        messages.append({"role": "assistant", "content": json.dumps(call)})
+    return requests
 
 
 async def run_agentic(url: str, sessions: int, turns: int, concurrency: int, max_tokens: int = 24,
                       seed: int = 0, progress=None) -> WorkloadResult:
-    rng = random.Random(seed)
     result = WorkloadResult()
     gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=300, limits=FOREIGN_LIMITS) as client:  # any server: no reuse
@@ -105,18 +131,9 @@ async def run_agentic(url: str, sessions: int, turns: int, concurrency: int, max
 
         async def session(i: int):
             async with gate:
-                # Each session works on its own file: a long per-session context after the shared
-                # system prompt, so where a session's turns land decides what the cache holds.
-                words = [rng.choice(("alloc", "block", "free", "queue", "hash", "token", "step", "cache", "pin",
-                                     "batch", "chunk", "evict")) + str(rng.randrange(1000)) for _ in range(400)]
-                messages = [{"role": "system", "content": SYSTEM},
-                            {"role": "user", "content": f"Here is the file for session {i}:\n" + " ".join(words)},
-                            {"role": "assistant", "content": "I have read the file."}]
-                for t in range(turns):
-                    messages.append({"role": "user", "content": f"[task {i}.{t}] {rng.choice(ASKS)}"})
-                    turn, text = await _turn(client, url, model, messages, f"session-{i}", max_tokens)
+                for messages in session_turns(seed, i, turns):
+                    turn, _ = await _turn(client, url, model, messages, f"session-{i}", max_tokens)
                     result.turns.append(turn)
-                    messages.append({"role": "assistant", "content": text or "ok"})
                     if progress is not None:
                         progress.update(1)
         start = time.monotonic()
