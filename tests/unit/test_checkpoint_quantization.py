@@ -30,17 +30,18 @@ def _write(src: str, dst: str, state: dict, config_edit) -> str:
     return dst
 
 
-def _same_as_reference(quantized: str, reference: str) -> None:
-    """Logits within 1e-4 of the reference's largest and 24 greedy tokens equal."""
+def _same_as_reference(quantized: str, reference: str, quantization: str = "auto") -> LLM:
+    """Logits within 1e-4 of the reference's largest and 24 greedy tokens equal; the engine."""
     ids = torch.randint(3, 320, (24,), generator=torch.Generator().manual_seed(5)).tolist()
     hf = _hf_model(reference)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
-    llm = LLM(quantized, dtype="float32", kv_cache_tokens=1024)
+    llm = LLM(quantized, dtype="float32", kv_cache_tokens=1024, quantization=quantization)
     ours = _xl_logits(llm, ids)
     assert (ours - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
     out = llm.generate(ids[:10], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == _hf_greedy(hf, ids[:10], 24)
+    return llm
 
 
 def _fp8_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,11 +130,16 @@ def test_gpt_oss_mxfp4_checkpoint(tiny_model_dirs, tmp_path):
     _same_as_reference(qdir, rdir)
 
 
-def test_kimi_k25_int4_checkpoint(tiny_model_dirs, tmp_path):
+@pytest.mark.parametrize("quantization", ["auto", "none"])
+def test_kimi_k25_int4_checkpoint(tiny_model_dirs, tmp_path, quantization):
     """Kimi K2.5's layout: the DeepSeek-V3 language model under ``language_model.`` beside a
     vision tower and projector, routed experts in symmetric INT4 with a scale per 32 inputs,
-    packed by compressed-tensors; everything else in its ``ignore`` list, unquantized."""
+    packed by compressed-tensors; everything else in its ``ignore`` list, unquantized. Kept
+    as stored (auto), each expert is Q4_0 blocks: 18 bytes per 32 weights."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
+    from xlserve.kernels.gguf_blocks import BlockType
+    from xlserve.layers.moe import SparseMoE
     src = tiny_model_dirs["deepseek_v3"]
     reference = {}
     quantized = {"vision_tower.patch.weight": torch.randn(4, 4), "mm_projector.proj.weight": torch.randn(4, 4)}
@@ -160,7 +166,14 @@ def test_kimi_k25_int4_checkpoint(tiny_model_dirs, tmp_path):
                 "text_config": cfg, "vision_config": {"hidden_size": 4}, "quantization_config": q_config}
     qdir = _write(src, str(tmp_path / "k25"), quantized, k25)
     rdir = _write(src, str(tmp_path / "ref"), reference, lambda c: c)
-    _same_as_reference(qdir, rdir)
+    llm = _same_as_reference(qdir, rdir, quantization)
+    moes = [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE)]
+    assert moes and all((m.kept_experts is not None) == (quantization == "auto") for m in moes)
+    if quantization == "auto":
+        kept = [w for m in moes for pair in m.kept_experts for w in pair]
+        assert {p.qtype for w in kept for p in w.parts} == {BlockType.Q4_0}
+        assert sum(w.nbytes for w in kept) == sum(w.shape.numel() for w in kept) * 18 // 32
+        assert not hasattr(moes[0], "w_gate_up")  # the dense stacked tensors are gone
 
 
 def test_packed_int4_refuses_what_it_cannot_read():

@@ -71,7 +71,9 @@ def _gguf_name(name: str) -> str:
     return f"blk.{layer}.{PARTS[rest.rsplit('.', 1)[0].replace('feed_forward.', 'mlp.')]}.weight"
 
 
-def _write_deepseek(hf_dir: str, out: str, split_kv_b: bool) -> None:
+def _write_deepseek(hf_dir: str, out: str, split_kv_b: bool, expert_types: dict | None = None) -> None:
+    """``expert_types``: projection ("gate", "up", "down") -> the GGML type its stacked experts
+    are stored in (quantized by gguf-py); float32 otherwise."""
     import gguf
     cfg, arch, state = _load(hf_dir)
     w = gguf_writer(out, "deepseek2", arch.vocab_size)
@@ -114,8 +116,12 @@ def _write_deepseek(hf_dir: str, out: str, split_kv_b: bool) -> None:
         else:
             w.add_tensor(_gguf_name(name), np.ascontiguousarray(arr))
     for (layer, proj), by_expert in experts.items():
-        stacked = np.stack([by_expert[e] for e in sorted(by_expert)])
-        w.add_tensor(f"blk.{layer}.ffn_{proj.removesuffix('_proj')}_exps.weight", np.ascontiguousarray(stacked))
+        stacked = np.ascontiguousarray(np.stack([by_expert[e] for e in sorted(by_expert)]))
+        qtype = (expert_types or {}).get(proj.removesuffix("_proj"))
+        if qtype is not None:
+            stacked = gguf.quants.quantize(stacked, gguf.GGMLQuantizationType(qtype))
+        w.add_tensor(f"blk.{layer}.ffn_{proj.removesuffix('_proj')}_exps.weight", stacked,
+                     raw_dtype=None if qtype is None else gguf.GGMLQuantizationType(qtype))
     finish(w)
 
 
@@ -156,8 +162,8 @@ def _same_greedy(hf_dir: str, gguf_path: str) -> None:
                                    [s["logprob"] for s in y.outputs[0].logprobs], atol=1e-4)
 
 
-@pytest.mark.parametrize("split_kv_b", [False, True])
-def test_deepseek2_gguf_matches_safetensors(tmp_path, split_kv_b):
+def tiny_deepseek(tmp_path) -> str:
+    """A tiny DeepSeek-V3 checkpoint (random weights, saved by transformers): its directory."""
     from transformers import DeepseekV3Config
     cfg = DeepseekV3Config(**{**COMMON, "num_hidden_layers": 3, "intermediate_size": 128},
                            moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3,
@@ -165,7 +171,12 @@ def test_deepseek2_gguf_matches_safetensors(tmp_path, split_kv_b):
                            kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=24,
                            rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale": 0.7, "mscale_all_dim": 0.7,
                                          "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1})
-    hf_dir = _tiny(tmp_path / "hf", cfg)
+    return _tiny(tmp_path / "hf", cfg)
+
+
+@pytest.mark.parametrize("split_kv_b", [False, True])
+def test_deepseek2_gguf_matches_safetensors(tmp_path, split_kv_b):
+    hf_dir = tiny_deepseek(tmp_path)
     out = str(tmp_path / "deepseek.gguf")
     _write_deepseek(hf_dir, out, split_kv_b)
     got = ModelArch.from_hf_config(GGUFFile(out).hf_config())

@@ -107,3 +107,30 @@ def dequantize(qtype: BlockType, data: torch.Tensor, k: int) -> torch.Tensor:
     layout = LAYOUTS[qtype]
     blocks = data.reshape(-1, layout.bytes)
     return DEQUANTIZERS[qtype](blocks).reshape(data.shape[0], k)
+
+
+# symmetric integer weights of this many bits map onto a block format of scale * value
+SYMMETRIC_BLOCKS = {4: BlockType.Q4_0, 8: BlockType.Q8_0}
+
+
+def blocks_from_symmetric(values: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor | None:
+    """Integer weights ``values`` [N, K] (in [-2^(bits-1), 2^(bits-1))) times one scale per group
+    of ``K / scales.shape[1]`` inputs, as rows of Q4_0 (4 bits) or Q8_0 (8 bits) blocks: the
+    same values exactly, or None where they cannot be (groups that are not whole blocks of 32,
+    or scales that float16, the blocks' scale type, does not hold exactly)."""
+    qtype = SYMMETRIC_BLOCKS.get(bits)
+    n, k = values.shape
+    if qtype is None or k % 32 or k % scales.shape[1] or (k // scales.shape[1]) % 32:
+        return None
+    per_block = scales.repeat_interleave(k // scales.shape[1] // 32, dim=1)  # [N, K / 32]
+    half = per_block.to(torch.float16)
+    if not torch.equal(half.float(), per_block.float()):
+        return None
+    codes = values.reshape(n, k // 32, 32)
+    if qtype is BlockType.Q4_0:  # byte j: value j's code (value + 8) low, value j + 16's high
+        codes = (codes + 8).to(torch.uint8)
+        qs = codes[..., :16] | (codes[..., 16:] << 4)
+    else:
+        qs = codes.to(torch.int8).view(torch.uint8)
+    blocks = torch.cat((half.unsqueeze(-1).view(torch.uint8), qs), dim=-1)  # float16 little-endian, then codes
+    return blocks.reshape(n, -1).contiguous()

@@ -3,7 +3,9 @@ router picks the top-k experts of each token, each expert is a SwiGLU MLP, and a
 expert (Qwen2-MoE: scaled by its own sigmoid gate; DeepSeek: added as is) sees every token.
 
 Tokens are grouped by expert (sorted once per step) and each active expert runs one
-matmul over all of its tokens — never a Python loop over tokens.
+matmul over all of its tokens — never a Python loop over tokens. Experts a checkpoint stores
+in a block format (a GGUF file's ``ffn_*_exps``, Kimi K2.5's INT4) stay in it wherever a rank
+holds them whole (``kept_experts``): a trillion-parameter MoE is mostly expert weights.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from torch import nn
 
 from xlserve.layers.linear import Linear, copy_checked
 from xlserve.layers.mlp import MLP
+from xlserve.layers.quantized import QuantizedExperts, QuantizedWeight
 from xlserve.loader.lazy_tensor import whole
 from xlserve.models.arch import ModelArch, Router
 from xlserve.parallel import tensor_parallel
@@ -20,6 +23,8 @@ from xlserve.parallel import tensor_parallel
 # checkpoint expert projection -> (our stacked weight, part): Mixtral's w1/w3/w2, Qwen's names
 EXPERT_PARTS = {"w1": ("w_gate_up", "gate"), "w3": ("w_gate_up", "up"), "w2": ("w_down", "down"),
                 "gate_proj": ("w_gate_up", "gate"), "up_proj": ("w_gate_up", "up"), "down_proj": ("w_down", "down")}
+# a kept expert's part -> (which of its (gate_up, down) weights, first row in expert widths)
+KEPT_SLOTS = {"gate": (0, 0), "up": (0, 1), "down": (1, 0)}
 
 
 class ExpertRouter(nn.Module):
@@ -103,8 +108,12 @@ class SparseMoE(nn.Module):
         self.gate = ExpertRouter(arch)
         self.scale_input = arch.router is Router.SIGMOID_TOPK_INPUT
         self.limit, self.alpha = arch.swiglu_limit, arch.swiglu_alpha
+        self.local_experts, self.width, self.hidden = local, width, hidden
         self.w_gate_up = nn.Parameter(torch.empty(local, 2 * width, hidden), requires_grad=False)
         self.w_down = nn.Parameter(torch.empty(local, hidden, width), requires_grad=False)
+        # (gate_up, down) per local expert once a block-format piece arrives; see keeps_quantized
+        self.kept_experts: list[tuple[QuantizedWeight, QuantizedWeight]] | None = None
+        self._dense_experts = False  # a dense expert weight has landed in w_gate_up / w_down
         self.b_gate_up = self.b_down = None
         if arch.expert_bias:  # gpt-oss
             self.b_gate_up = nn.Parameter(torch.empty(local, 2 * width), requires_grad=False)
@@ -125,6 +134,8 @@ class SparseMoE(nn.Module):
         [E, size, hidden]: Llama 4, gpt-oss), or GGUF's output-major "gate_exps", "up_exps",
         "down_exps"; a "_bias" part fills the biases the same way (gpt-oss)."""
         expert, part = shard
+        if isinstance(loaded, (QuantizedWeight, QuantizedExperts)):
+            return self._keep(expert, part, loaded)
         loaded = whole(loaded)  # experts read whole: their slices are not contiguous rows or columns
         bias = part.endswith("_bias")
         if bias and self.b_gate_up is None:
@@ -142,6 +153,12 @@ class SparseMoE(nn.Module):
         """``tensor``: ``experts``' part in the layout gate/up [n, size, hidden] (bias [n, size]),
         down [n, hidden, size] (bias [n, hidden]); this rank keeps its experts and columns."""
         first, local = experts[0], self.experts
+        if not bias and self.kept_experts is not None:  # a dense piece beside kept ones: a dense part
+            for i, e in enumerate(experts):
+                if local.start <= e < local.stop:
+                    self._place(e - local.start, part, tensor[i])
+            return
+        self._dense_experts |= not bias
         keep = [i for i, e in enumerate(experts) if local.start <= e < local.stop]
         if not keep:
             return
@@ -155,6 +172,40 @@ class SparseMoE(nn.Module):
         gate_up, down = (self.b_gate_up, self.b_down) if bias else (self.w_gate_up, self.w_down)
         target = {"gate": gate_up.data[rows, :width], "up": gate_up.data[rows, width:], "down": down.data[rows]}[part]
         copy_checked(target, tensor, f"experts {first}.. {part}{' bias' if bias else ''}")
+
+    def keeps_quantized(self) -> bool:
+        """Experts stay in their block format where a rank holds them whole (one rank, or
+        expert parallelism; a tensor-parallel slice of a block is refused), unless a dense
+        expert weight already went into the stacked tensors."""
+        return self.width == self.size and not self._dense_experts
+
+    def _keep(self, expert: int | None, part: str, weight: QuantizedWeight | QuantizedExperts) -> set:
+        """A block-format piece: one expert's (``expert``, gate / up / down) or every expert's
+        (None, "gate_exps" / "up_exps" / "down_exps")."""
+        if self.kept_experts is None:
+            device = self.w_down.device
+            self.kept_experts = [(QuantizedWeight((2 * self.width, self.hidden), device=device),
+                                  QuantizedWeight((self.hidden, self.width), device=device))
+                                 for _ in range(self.local_experts)]
+            del self._parameters["w_gate_up"], self._parameters["w_down"]  # never touched: nothing resident
+        if expert is not None:
+            pieces = {(expert, part): weight}
+        elif isinstance(weight, QuantizedExperts):
+            pieces = {(e, part.removesuffix("_exps")): weight.expert(e) for e in range(self.num_experts)}
+        else:
+            raise ValueError(f"experts {part}: a block-format weight of {tuple(weight.shape)} for every expert")
+        for (e, name), piece in pieces.items():
+            if self.experts.start <= e < self.experts.stop:  # another rank's expert: not kept here
+                self._place(e - self.experts.start, name, piece)
+        return set(pieces)
+
+    def _place(self, expert: int, part: str, weight: QuantizedWeight | torch.Tensor) -> None:
+        """This rank's expert ``expert``'s gate / up / down (block format or dense) into its kept weights."""
+        which, offset = KEPT_SLOTS[part]
+        expected = (self.width, self.hidden) if which == 0 else (self.hidden, self.width)
+        if tuple(weight.shape) != expected:
+            raise ValueError(f"expert {expert} {part}: a weight of {tuple(weight.shape)} where {expected} belongs")
+        self.kept_experts[expert][which].place(offset * self.width, weight)
 
     def expected_loads(self, prefix: str) -> set:
         """(parameter name, shard) pairs a complete checkpoint fills."""
@@ -174,7 +225,7 @@ class SparseMoE(nn.Module):
         start = 0
         for expert, count in enumerate(counts):
             local = expert - self.experts.start
-            if count and 0 <= local < self.w_down.shape[0]:  # another rank's expert: its part, not ours
+            if count and 0 <= local < self.local_experts:  # another rank's expert: its part, not ours
                 rows = tokens[start:start + count]
                 weight = weights.flatten()[order[start:start + count]].unsqueeze(1)
                 y = self.expert(local, x[rows] * weight) if self.scale_input else self.expert(local, x[rows]) * weight
@@ -189,8 +240,8 @@ class SparseMoE(nn.Module):
     def expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """This rank's expert ``index``'s gated MLP (its columns) over all the rows routed to it:
         SwiGLU, or gpt-oss's clamped (up + 1) * gate * sigmoid(alpha * gate) with biases."""
-        size = self.w_down.shape[2]
-        gate_up = x @ self.w_gate_up[index].T
+        size = self.width
+        gate_up = self._project(0, index, x)
         if self.b_gate_up is not None:
             gate_up = gate_up + self.b_gate_up[index]
         gate, up = gate_up[:, :size], gate_up[:, size:]
@@ -199,8 +250,14 @@ class SparseMoE(nn.Module):
             hidden = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
         else:
             hidden = nn.functional.silu(gate) * up
-        out = hidden @ self.w_down[index].T
+        out = self._project(1, index, hidden)
         return out if self.b_down is None or not self.add_down_bias else out + self.b_down[index]
+
+    def _project(self, which: int, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``index``'s gate/up (``which`` 0) or down (1) projection of ``x``."""
+        if self.kept_experts is not None:
+            return self.kept_experts[index][which].linear(x)
+        return x @ (self.w_gate_up, self.w_down)[which][index].T
 
 
 def _every_expert(base: str, loaded: torch.Tensor, bias: bool) -> dict[str, torch.Tensor]:

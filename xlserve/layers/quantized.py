@@ -142,6 +142,25 @@ class QuantizedWeight:
         return out.reshape(*ids.shape, k)
 
 
+class QuantizedExperts:
+    """Every expert's [N, K] weight of one stacked tensor [E, N, K] in one block format (a GGUF
+    file's ``ffn_*_exps``): ``data`` uint8 [E, N, row bytes]."""
+
+    def __init__(self, qtype: int, data: torch.Tensor, shape: tuple[int, int, int]):
+        self.qtype, self.shape = BlockType(qtype), torch.Size(shape)
+        if tuple(data.shape) != (shape[0], shape[1], gguf_blocks.row_bytes(self.qtype, shape[2])):
+            raise ValueError(f"{self.qtype.name} data of shape {tuple(data.shape)} is not a {list(shape)} weight")
+        self.data = data
+
+    def expert(self, index: int) -> QuantizedWeight:
+        """Expert ``index``'s weight, sharing this tensor's storage."""
+        return QuantizedWeight(self.shape[1:], [Part(0, self.qtype, self.data[index])])
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        e, n, k = self.shape
+        return gguf_blocks.dequantize(self.qtype, self.data.reshape(e * n, -1), k).reshape(e, n, k).to(dtype)
+
+
 class HoldsQuantized:
     """A layer whose ``weight`` may be a ``QuantizedWeight``: on one rank (a tensor-parallel
     slice of a block format is refused, and dequantized instead), unless the layer reads its
@@ -170,14 +189,18 @@ def set_activation_bits(model: torch.nn.Module, eight_bit: bool) -> None:
     llama.cpp does: about twice the matmul speed on a CPU, results within bf16's error of the
     dequantized weights'), or fp32 ones (the dequantized weights' results). CPU kernel only:
     torch's path always computes in fp32."""
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if isinstance(weight, QuantizedWeight):
-            weight.eight_bit_activations = eight_bit
+    for weight in kept_weights(model):
+        weight.eight_bit_activations = eight_bit
+
+
+def kept_weights(model: torch.nn.Module) -> list[QuantizedWeight]:
+    """Every weight of the model kept in a block format: layers' and experts' (``kept_experts``)."""
+    held = [m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), QuantizedWeight)]
+    return held + [w for m in model.modules() for pair in (getattr(m, "kept_experts", None) or ()) for w in pair]
 
 
 def describe(model: torch.nn.Module) -> str:
     """'N weights kept quantized (X MiB)', for the load log."""
-    held = [m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), QuantizedWeight)]
+    held = kept_weights(model)
     unique = {tuple(p.data.data_ptr() for p in w.parts): w for w in held}.values()  # a tied head shares its data
     return f"{len(held)} weights kept quantized ({sum(w.nbytes for w in unique) / 2**20:.1f} MiB)"

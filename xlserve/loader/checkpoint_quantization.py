@@ -1,12 +1,14 @@
-"""Quantized safetensors checkpoints, dequantized to the model's dtype as they load.
+"""Quantized safetensors checkpoints: kept in a block format the kernels read, or dequantized
+to the model's dtype as they load.
 
 The published weights of the largest families are quantized: DeepSeek-V3 and Kimi K2 in FP8
 with a float32 scale per 128 x 128 block, gpt-oss's experts in MXFP4, Kimi K2.5's experts in
 INT4 (compressed-tensors "pack-quantized", a bf16 scale per 32 inputs). The config's
 ``quantization_config.quant_method`` picks one ``CheckpointQuantization``; each quantized tensor
-becomes the plain weight the model's loader expects, under the plain weight's name. (Keeping
-weights quantized in memory, with kernels that read them so, is the engine's quantized-weights
-work; here they become ordinary weights.)
+becomes the plain weight the model's loader expects, under the plain weight's name, unless the
+format maps exactly onto a block format of ``kernels/gguf_blocks.py`` and the user keeps
+weights as stored (``--quantization auto``): symmetric INT4 / INT8 groups are Q4_0 / Q8_0
+blocks, a float16 scale per 32 values, so Kimi K2.5's experts stay at 4.5 bits a weight.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from abc import ABC, abstractmethod
 from typing import Callable
 
 import torch
+
+from xlserve.kernels.gguf_blocks import SYMMETRIC_BLOCKS, blocks_from_symmetric
+from xlserve.layers.quantized import QuantizedWeight
 
 Fetch = Callable[[str], torch.Tensor]  # reads any tensor of the checkpoint by name
 
@@ -29,6 +34,11 @@ class CheckpointQuantization(ABC):
 
     @abstractmethod
     def dequantize(self, name: str, tensor: torch.Tensor, fetch: Fetch) -> tuple[str, torch.Tensor] | None: ...
+
+    def keep(self, name: str, tensor: torch.Tensor, fetch: Fetch) -> tuple[str, QuantizedWeight] | None:
+        """(plain weight name, the same values in a kept block format), or None where the
+        format has none that holds them exactly (the caller dequantizes)."""
+        return None
 
 
 class Fp8Blocks(CheckpointQuantization):
@@ -118,11 +128,30 @@ class PackedInt4(CheckpointQuantization):
         return name.endswith((".weight_scale", ".weight_shape"))
 
     def dequantize(self, name, tensor, fetch):
+        unpacked = self._unpack(name, tensor, fetch)
+        if unpacked is None:
+            return None
+        base, values, scale = unpacked
+        return base, values.float() * scale.float().repeat_interleave(values.shape[1] // scale.shape[1], dim=1)
+
+    def keep(self, name, tensor, fetch):
+        unpacked = self._unpack(name, tensor, fetch)
+        if unpacked is None:
+            return None
+        base, values, scale = unpacked
+        blocks = blocks_from_symmetric(values, scale, self.bits)
+        if blocks is None:
+            return None
+        return base, QuantizedWeight.from_blocks(SYMMETRIC_BLOCKS[self.bits], blocks, tuple(values.shape))
+
+    def _unpack(self, name: str, tensor: torch.Tensor, fetch: Fetch
+                ) -> tuple[str, torch.Tensor, torch.Tensor] | None:
+        """(plain name, integer values [rows, cols], scales [rows, groups]) of a packed weight."""
         if not name.endswith(".weight_packed"):
             return None
         base = name.removesuffix("_packed")
         rows, cols = (int(v) for v in fetch(base + "_shape").tolist())
-        scale = fetch(base + "_scale").float()
+        scale = fetch(base + "_scale")
         per_word = 32 // self.bits
         shifts = torch.arange(per_word, dtype=torch.int32) * self.bits
         codes = (tensor.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << self.bits) - 1)
@@ -130,7 +159,7 @@ class PackedInt4(CheckpointQuantization):
         if values.shape != (rows, cols) or cols % scale.shape[-1] or scale.shape[0] != rows:
             raise ValueError(f"{name}: packed weight {tuple(values.shape)} with scales {tuple(scale.shape)} does not "
                              f"make a ({rows}, {cols}) weight")
-        return base, values.float() * scale.repeat_interleave(cols // scale.shape[-1], dim=1)
+        return base, values, scale
 
 
 FORMATS: dict[str, type[CheckpointQuantization]] = {

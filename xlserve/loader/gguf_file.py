@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from xlserve.kernels.gguf_blocks import BlockType
-from xlserve.layers.quantized import QuantizedWeight
+from xlserve.layers.quantized import QuantizedExperts, QuantizedWeight
 from xlserve.loader.gguf_arch import CONFIGS, LAYER_NAMES_BY_ARCH, LAYER_TENSOR_NAMES, TENSOR_NAMES
 from xlserve.loader.gguf_container import TensorInfo, read_gguf, release, tensor_bytes
 from xlserve.models.registry import GGUF_ARCHITECTURES, GGUF_MOE_ARCHITECTURES
@@ -116,18 +116,22 @@ class GGUFFile:
             if permute and name.endswith(("q_proj.weight", "k_proj.weight")):
                 key = "num_attention_heads" if "q_proj" in name else "num_key_value_heads"
                 tensor = _unpermute_rope(tensor, cfg[key])
-            yield name, tensor if isinstance(tensor, QuantizedWeight) else tensor.to(dtype)
+            yield name, tensor if isinstance(tensor, (QuantizedWeight, QuantizedExperts)) else tensor.to(dtype)
         for qtype, count in dequantized.items():
             log.info("%d tensors in %s have no kernel here: dequantized to %s", count, qtype,
                      str(dtype).removeprefix("torch."))
         if absorbed:
             raise ValueError(f"GGUF file {self.path!r} has {', '.join(sorted(absorbed))} without its other half")
 
-    def _read(self, t: TensorInfo, keep_quantized: bool, dequantized: dict[str, int]) -> torch.Tensor | QuantizedWeight:
+    def _read(self, t: TensorInfo, keep_quantized: bool, dequantized: dict[str, int]
+              ) -> torch.Tensor | QuantizedWeight | QuantizedExperts:
         """A matmul weight in a kept block format as stored (when asked), else a tensor;
         ``dequantized`` counts the block-quantized tensors that had to be dequantized."""
-        if keep_quantized and t.qtype in KEPT_TYPES and len(t.shape) == 2:
+        experts = len(t.shape) == 3 and t.name.endswith("_exps.weight")  # every expert's projection
+        if keep_quantized and t.qtype in KEPT_TYPES and (len(t.shape) == 2 or experts):
             raw = torch.from_numpy(np.array(tensor_bytes(self._data, t)))  # copied: the pages are released
+            if experts:
+                return QuantizedExperts(t.qtype, raw.reshape(*t.shape[:2], -1), t.shape)
             return QuantizedWeight.from_blocks(t.qtype, raw, t.shape)
         if keep_quantized and t.qtype not in UNQUANTIZED_TYPES and len(t.shape) >= 2:
             name = tensor_type_name(t.qtype)

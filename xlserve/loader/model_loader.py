@@ -83,10 +83,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
     tp, stage = tensor_parallel.current(), pipeline_parallel.current()
     # tensor / pipeline parallel: each rank reads only its slices of the (memory-mapped) safetensors
     sliced = (tp.size > 1 or stage.count > 1) and source.kind != "gguf"
-    if source.kind == "gguf":
-        weights = reader.weights(dtype, keep_quantized=config.quantization == "auto")
-    else:
-        weights = reader.weights(dtype, lazy=True) if sliced else reader.weights(dtype)
+    keep = config.quantization == "auto"
+    weights = (reader.weights(dtype, lazy=True, keep_quantized=keep) if sliced
+               else reader.weights(dtype, keep_quantized=keep))
     bar = tqdm(weights, total=reader.num_tensors, desc=f"Loading {source.name}",
                unit="tensor", leave=False, disable=None)  # None: only on a terminal
     started = time.perf_counter()

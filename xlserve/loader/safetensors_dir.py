@@ -1,5 +1,6 @@
 """Hugging Face model directories: config.json + safetensors (single file or sharded index),
-quantized checkpoints dequantized as they load (``checkpoint_quantization``)."""
+quantized checkpoints kept in a block format or dequantized as they load
+(``checkpoint_quantization``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Iterator
 
 import torch
 
+from xlserve.layers.quantized import QuantizedWeight
 from xlserve.loader.checkpoint_quantization import checkpoint_quantization
 from xlserve.loader.lazy_tensor import LazyTensor, ReadCount
 
@@ -72,9 +74,12 @@ class SafetensorsDir:
     def file_bytes(self) -> int:
         return sum(os.path.getsize(f) for f in self.files)
 
-    def weights(self, dtype: torch.dtype, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
+    def weights(self, dtype: torch.dtype, lazy: bool = False, keep_quantized: bool = False
+                ) -> Iterator[tuple[str, torch.Tensor | LazyTensor | QuantizedWeight]]:
         """(name, tensor) in ``dtype``; ``lazy``: unquantized tensors as ``LazyTensor``s, read
-        when (and as far as) the model's loader indexes them (tensor-parallel slices)."""
+        when (and as far as) the model's loader indexes them (tensor-parallel slices);
+        ``keep_quantized``: quantized tensors whose values a block format holds exactly come
+        as ``QuantizedWeight`` (a layer that cannot hold one dequantizes it)."""
         # safe_open memory-maps the file: tensors are read as they are copied in.
         from safetensors import SafetensorError, safe_open
         for file in self.files:
@@ -86,15 +91,19 @@ class SafetensorsDir:
                         if lazy and not self._quantized(f, name):
                             yield name, LazyTensor(f.get_slice(name), dtype, self.read)
                         else:
-                            yield self._plain(name, f.get_tensor(name), dtype)
+                            yield self._plain(name, f.get_tensor(name), dtype, keep_quantized)
             except SafetensorError as e:
                 raise ValueError(f"cannot read weights {file!r} (corrupt or truncated?): {e}") from e
 
     def _quantized(self, f, name: str) -> bool:
         return self.quantization is not None and f.get_slice(name).get_dtype() in QUANTIZED_DTYPES
 
-    def _plain(self, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> tuple[str, torch.Tensor]:
+    def _plain(self, name: str, tensor: torch.Tensor, dtype: torch.dtype, keep_quantized: bool
+               ) -> tuple[str, torch.Tensor | QuantizedWeight]:
         self.read.bytes += tensor.numel() * tensor.element_size()
+        kept = keep_quantized and self.quantization and self.quantization.keep(name, tensor, self._fetch)
+        if kept:
+            return kept
         plain = self.quantization and self.quantization.dequantize(name, tensor, self._fetch)
         if plain:
             name, tensor = plain

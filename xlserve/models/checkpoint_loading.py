@@ -12,7 +12,7 @@ import torch
 
 from xlserve.layers.linear import MergedLinear, copy_checked
 from xlserve.layers.moe import EXPERT_PARTS, SparseMoE
-from xlserve.layers.quantized import HoldsQuantized, QuantizedWeight
+from xlserve.layers.quantized import HoldsQuantized, QuantizedExperts, QuantizedWeight
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(\w+)\.weight")
@@ -53,8 +53,8 @@ class CheckpointLoading:
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.arch.architecture}")
             module = self.get_submodule(target.rsplit(".", 1)[0])
-            if isinstance(tensor, QuantizedWeight) and not (isinstance(module, HoldsQuantized)
-                                                           and module.keeps_quantized()):
+            if isinstance(tensor, (QuantizedWeight, QuantizedExperts)) and not (
+                    isinstance(module, (HoldsQuantized, SparseMoE)) and module.keeps_quantized()):
                 tensor = tensor.dequantize(param.dtype)  # a layer that reads its weight as a tensor
             if shard is None:
                 load_whole = getattr(module, "load_whole", None)  # a tensor-parallel slice of it
