@@ -32,7 +32,7 @@ test: install
 test-peers: install
 	$(PY) -m pip install -q -e '.[peers]'
 	$(PY) -m pytest -q tests/e2e/test_llama_server_backend.py tests/e2e/test_llama_cpp_numerics.py \
-		tests/e2e/test_peer_protocols.py $(PYTEST_ARGS)
+		tests/e2e/test_peer_protocols.py tests/e2e/test_llama_cpp_peer.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -22,3 +22,21 @@ def test_transformers_kv_bytes_are_the_most_tokens_it_held(tiny_model_dirs):
     assert system.kv_bytes() == 18 * per_token
     system.prefill(list(range(3, 9)))  # a smaller one later does not lower the peak
     assert system.kv_bytes() == 18 * per_token
+
+
+def test_each_llama_cpp_figure_is_its_better_flash_attention_setting():
+    from xlserve.bench.llama_cpp_peer import best_of
+    runs = {"on": {"decode_b1_tok_s": 50.0, "prefill_1000_tok_s": 400.0, "peak_rss_mib": 300.0},
+            "off": {"decode_b1_tok_s": 55.0, "prefill_1000_tok_s": 350.0, "peak_rss_mib": 320.0}}
+    best = best_of(runs, {"decode_b1_tok_s": True, "prefill_1000_tok_s": True, "peak_rss_mib": False})
+    assert (best["decode_b1_tok_s"], best["prefill_1000_tok_s"], best["peak_rss_mib"]) == (55.0, 400.0, 300.0)
+    assert best["flash_attn"] == {"decode_b1_tok_s": "off", "prefill_1000_tok_s": "on", "peak_rss_mib": "on"}
+    failed = best_of({"on": {"error": "x"}, "off": runs["off"]}, {"decode_b1_tok_s": True})
+    assert failed["decode_b1_tok_s"] == 55.0 and failed["flash_attn"] == {"decode_b1_tok_s": "off"}
+
+
+def test_llama_cpp_kv_pool_is_f16_k_and_v_of_every_layer():
+    from xlserve.bench.llama_cpp_peer import kv_bytes_per_token
+    from xlserve.loader.model_source import resolve_model
+    # the default model: 30 layers, 3 KV heads of 64
+    assert kv_bytes_per_token(resolve_model("default").path) == 2 * 2 * 30 * 3 * 64

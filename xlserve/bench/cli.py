@@ -11,8 +11,9 @@ def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks: xlserve beside its peers in one run")
     kinds = bench.add_subparsers(dest="bench_kind", required=True)
     e = kinds.add_parser("engine", help="engine speed and memory vs llama.cpp and transformers",
-                         description="Runs xlserve and its peers (llama.cpp via llama-cpp-python, transformers) "
-                                     "on the same BF16 weights, token ids and threads, one process each.")
+                         description="Runs xlserve and its peers (llama.cpp's own server and llama-bench, "
+                                     "transformers) on the same BF16 weights, token ids and threads, one process "
+                                     "each; llama.cpp with flash attention on and off, the better figure counting.")
     e.add_argument("--model", default="default",
                    help="GGUF model (default: the bundled SmolLM2-135M), or a Hugging Face directory "
                         "(then without llama.cpp)")
@@ -135,6 +136,10 @@ def cmd_bench_engine(args) -> int:
     for system, r in results["systems"].items():
         if "error" in r:
             print(f"{system} failed: {r['error']}")
+    if "flash_attn" in results["systems"].get("llama.cpp", {}):
+        print(f"llama.cpp flash attention by figure: {results['systems']['llama.cpp']['flash_attn']}")
+    if "llama-bench" in results:
+        print(f"llama-bench on the same file: {results['llama-bench']}")
     if results["goals"]:
         print()
         print(goals_table(results["goals"]))

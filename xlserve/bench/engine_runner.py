@@ -13,16 +13,16 @@ import time
 from statistics import median
 
 
-def rss_bytes(field: str = "VmHWM") -> int:
-    """VmHWM: peak resident set; VmRSS: current."""
-    with open("/proc/self/status") as f:
+def rss_bytes(field: str = "VmHWM", pid: int | None = None) -> int:
+    """VmHWM: peak resident set; VmRSS: current; of this process or ``pid``."""
+    with open(f"/proc/{pid or 'self'}/status") as f:
         for line in f:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
 
 
-RUNTIME_IMPORTS = {"xlserve": ("torch", "xlserve.engine.llm_engine"), "llama.cpp": ("llama_cpp",),
+RUNTIME_IMPORTS = {"xlserve": ("torch", "xlserve.engine.llm_engine"), "llama.cpp": ("httpx",),
                    "transformers": ("torch", "transformers")}
 
 
@@ -33,8 +33,9 @@ def make_system(spec: dict):
         return XlserveSystem(spec["model"], spec["dtype"], spec["threads"], spec["kv_tokens"], spec["budget"],
                              spec["device"], **spec["engine_options"])
     if name == "llama.cpp":
-        from xlserve.bench.engine_systems import LlamaCppSystem
-        return LlamaCppSystem(spec["model"], spec["threads"], spec["kv_tokens"])
+        from xlserve.bench.llama_cpp_peer import LlamaServerSystem
+        return LlamaServerSystem(spec["model"], spec["threads"], spec["kv_tokens"], spec["flash_attn"],
+                                 spec["llama_batch"], max(map(int, spec["workload"]["batches"])))
     if name == "transformers":
         from xlserve.bench.engine_systems import TransformersSystem
         return TransformersSystem(spec["model"], spec["threads"], spec["device"])
@@ -48,6 +49,13 @@ def measure(spec: dict, spawn_time: float) -> dict:
         importlib.import_module(module)
     runtime_rss = rss_bytes("VmRSS")  # the interpreter and libraries, before any model
     system = make_system(spec)
+    try:
+        return _figures(system, w, spawn_time, runtime_rss, spec)
+    finally:
+        system.close()
+
+
+def _figures(system, w: dict, spawn_time: float, runtime_rss: int, spec: dict) -> dict:
     system.prefill(w["chat"][:32])
     cold_start = time.time() - spawn_time
     system.decode(w["chat"], 8)  # warm-up
@@ -60,9 +68,9 @@ def measure(spec: dict, spawn_time: float) -> dict:
         out[f"decode_b{n}_tok_s"] = system.decode_batch(prompts, w["batch_tokens"])
     out["ttft_uncached_s"] = median(system.prefill(ids) for ids in w["cache_other"])
     out["ttft_cached_s"] = median(system.cached_ttft(first, second) for first, second in w["cache_pairs"])
-    out["peak_rss_bytes"] = rss_bytes("VmHWM")
+    out["peak_rss_bytes"] = rss_bytes("VmHWM", system.pid)
     out["peak_gpu_bytes"] = system.peak_gpu_bytes()
-    out["runtime_rss_bytes"] = runtime_rss
+    out["runtime_rss_bytes"] = 0 if system.pid else runtime_rss  # a server has no interpreter of its own
     out["weights_bytes"] = system.weights_bytes() or spec.get("weights_file_bytes", 0)
     out["kv_bytes"] = system.kv_bytes()
     return out

