@@ -242,3 +242,15 @@ def test_decode_layers_refuses_a_malformed_address_table():
     with pytest.raises(ValueError, match="address table"):
         cpu_ops.decode_layers_(x, torch.zeros(2, cpu_ops.LAYER_POINTERS - 1, dtype=torch.int64), 1e-6, 4, 2, 16, 128,
                                cos, sin, idx[0], idx, torch.ones(1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5, 32, 100])  # the row kernel, the tiles, two passes of them
+def test_logits_are_float32_sums(rows):
+    """The head's matmul returns float32 sums never rounded to bf16 (bf16 steps are 0.125 at a
+    logit of 25, which tie tokens float32 tells apart), within float32 error of float64, on
+    whichever kernel serves these rows (the row kernel and torch on CPUs without AMX)."""
+    from xlserve.layers.linear import linear_float32
+    x, w = torch.randn(rows, 576).bfloat16(), torch.randn(256, 576).bfloat16()
+    got = linear_float32(x, w)
+    assert got.dtype == torch.float32
+    assert (got.double() - x.double() @ w.double().T).abs().max().item() < 1e-4

@@ -73,15 +73,20 @@ static uint32_t* pair_interleave(const uint16_t* x, int64_t M, int64_t K, int64_
 static inline __m512 widen16(const uint16_t* p) { return widen_bf16(_mm256_loadu_si256((const __m256i*)p)); }
 
 /* One C tile (16 features x 16 rows, fp32) -> out rows [m0, m0 + 16) x features [n0, n0 + 16)
- * in bf16: + bias, rounded; + residual, rounded again (xl_linear_bf16's rounding). The
- * tile is read column by column with a gather, so each output row is one 32-byte store. */
+ * in bf16: + bias, rounded; + residual, rounded again (xl_linear_bf16's rounding); or, with
+ * ``out32``, the fp32 sums as they are (the logits). The tile is read column by column with
+ * a gather, so each output row is one store. */
 static void write_tile(const float* c, int64_t n0, int64_t m0, int64_t M, int64_t N, const uint16_t* bias,
-                       const uint16_t* residual, uint16_t* out) {
+                       const uint16_t* residual, uint16_t* out, float* out32) {
   const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32(16));
   const __m512 b = bias ? widen16(bias + n0) : _mm512_setzero_ps();
   for (int64_t j = 0; j < 16 && m0 + j < M; ++j) {
     __m512 v = _mm512_add_ps(_mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32((int)j)), c, 4), b);
+    if (out32) {
+      _mm512_storeu_ps(out32 + (m0 + j) * N + n0, v);
+      continue;
+    }
     if (residual) {
       v = _mm512_add_ps(widen_bf16(round_bf16(v)), widen16(residual + (m0 + j) * N + n0));
     }
@@ -141,7 +146,7 @@ static void pass_2x1(const uint16_t* w0, const uint16_t* w1, const uint32_t* x0,
 static volatile int64_t touched;
 
 static void gemm_tiles(const uint16_t* w, const uint32_t* xb, const uint16_t* bias, const uint16_t* residual,
-                       uint16_t* out, int64_t M, int64_t N, int64_t K, int64_t m_blocks, int threads) {
+                       uint16_t* out, float* out32, int64_t M, int64_t N, int64_t K, int64_t m_blocks, int threads) {
   const int64_t k_blocks = K / 32, n_pairs = N / 32, stride = K * 2;
 #pragma omp parallel num_threads(threads)
   {
@@ -157,13 +162,13 @@ static void gemm_tiles(const uint16_t* w, const uint32_t* xb, const uint16_t* bi
         const uint32_t* x0 = xb + mb * k_blocks * 256;
         if (mb + 1 < m_blocks) {
           pass_2x2(w0, w0 + 16 * K, x0, x0 + k_blocks * 256, k_blocks, stride, c);
-          write_tile(c[2], n0, (mb + 1) * 16, M, N, bias, residual, out);
-          write_tile(c[3], n0 + 16, (mb + 1) * 16, M, N, bias, residual, out);
+          write_tile(c[2], n0, (mb + 1) * 16, M, N, bias, residual, out, out32);
+          write_tile(c[3], n0 + 16, (mb + 1) * 16, M, N, bias, residual, out, out32);
         } else {
           pass_2x1(w0, w0 + 16 * K, x0, k_blocks, stride, c);
         }
-        write_tile(c[0], n0, mb * 16, M, N, bias, residual, out);
-        write_tile(c[1], n0 + 16, mb * 16, M, N, bias, residual, out);
+        write_tile(c[0], n0, mb * 16, M, N, bias, residual, out, out32);
+        write_tile(c[1], n0 + 16, mb * 16, M, N, bias, residual, out, out32);
       }
     }
     _tile_release();
@@ -177,7 +182,16 @@ void xl_linear_amx(const uint16_t* x, const uint16_t* w, const void* bias, const
                    int64_t M, int64_t N, int64_t K, int threads) {
   const int64_t m_blocks = (M + 15) / 16;
   uint32_t* xb = pair_interleave(x, M, K, m_blocks);
-  gemm_tiles(w, xb, bias, residual, out, M, N, K, m_blocks, threads);
+  gemm_tiles(w, xb, bias, residual, out, NULL, M, N, K, m_blocks, threads);
+  free(xb);
+}
+
+/* out [M, N] fp32 = x @ w.T, x and w bf16: the tiles' fp32 sums, never rounded (the logits). */
+void xl_linear_amx_f32(const uint16_t* x, const uint16_t* w, float* out, int64_t M, int64_t N, int64_t K,
+                       int threads) {
+  const int64_t m_blocks = (M + 15) / 16;
+  uint32_t* xb = pair_interleave(x, M, K, m_blocks);
+  gemm_tiles(w, xb, NULL, NULL, NULL, out, M, N, K, m_blocks, threads);
   free(xb);
 }
 
@@ -187,5 +201,10 @@ int xl_amx_ready(void) { return 0; }
 void xl_linear_amx(const uint16_t* x, const uint16_t* w, const void* bias, const void* residual, void* out,
                    int64_t M, int64_t N, int64_t K, int threads) {
   (void)x, (void)w, (void)bias, (void)residual, (void)out, (void)M, (void)N, (void)K, (void)threads;
+}
+
+void xl_linear_amx_f32(const uint16_t* x, const uint16_t* w, float* out, int64_t M, int64_t N, int64_t K,
+                       int threads) {
+  (void)x, (void)w, (void)out, (void)M, (void)N, (void)K, (void)threads;
 }
 #endif

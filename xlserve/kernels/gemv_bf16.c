@@ -161,10 +161,14 @@ static void linear_epilogue(float* of, const void* bias, const void* residual, v
 
 /* out = x @ w.T (+ bias) (+ residual), x and out in bf16 or fp32, as eager torch computes
  * it: fp32 accumulation with the bias, rounded to the dtype; then the residual added and
- * rounded again. bias: [N], residual: [M, N], both in the activation dtype or NULL. */
+ * rounded again. bias: [N], residual: [M, N], both in the activation dtype or NULL.
+ * bf16: 0 fp32 x and out, 1 bf16 x and out, XL_BF16_X_F32_OUT bf16 x and the fp32 sums as
+ * they are (the logits; no bias or residual). */
+#define XL_BF16_X_F32_OUT 2
 void xl_linear_bf16(const void* x, const uint16_t* w, const void* bias, const void* residual, void* out,
                     int64_t M, int64_t N, int64_t K, int bf16, int threads) {
-  float* of = bf16 ? (float*)malloc(sizeof(float) * M * N) : (float*)out;
+  const int f32_out = bf16 == XL_BF16_X_F32_OUT;
+  float* of = (bf16 && !f32_out) ? (float*)malloc(sizeof(float) * M * N) : (float*)out;
   float* xf = (float*)x;
 #ifdef XL_HAVE_BF16_DOT
   if (bf16) {
@@ -178,6 +182,7 @@ void xl_linear_bf16(const void* x, const uint16_t* w, const void* bias, const vo
   }
   if (xf) xl_gemv_bf16(xf, w, of, M, N, K, threads);
   if (bf16 && xf) free(xf);
+  if (f32_out) return;
   linear_epilogue(of, bias, residual, out, M, N, bf16);
   if (bf16) free(of);
 }

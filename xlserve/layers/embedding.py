@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from xlserve.layers.linear import copy_checked, linear
+from xlserve.layers.linear import copy_checked, linear_float32
 from xlserve.layers.quantized import HoldsQuantized, QuantizedWeight
 from xlserve.parallel import tensor_parallel
 
@@ -58,7 +58,6 @@ class Embedding(VocabularySlice, nn.Embedding):
 
 class LMHead(VocabularySlice, nn.Module):
     """Logits of every token: each rank its vocabulary rows, gathered in rank order."""
-    prepackable = True  # a linear layer to prepack_linear_weights
 
     def __init__(self, hidden_size: int, vocab_size: int):
         super().__init__()
@@ -69,4 +68,5 @@ class LMHead(VocabularySlice, nn.Module):
         self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_gather(linear(hidden, self.weight, None))[..., :self.vocab_size]
+        """float32 logits, whatever the model's dtype (``linear_float32``)."""
+        return self.tp.all_gather(linear_float32(hidden, self.weight))[..., :self.vocab_size]

@@ -42,6 +42,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return out if residual is None else residual + out
 
 
+def linear_float32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` with float32 products and a float32 result whatever the weight's dtype
+    (the logits: rounded to bf16, a logit near 25 moves in steps of 0.125, which tied the
+    default model's two best first tokens, 0.08 apart in float32, on a chat prompt and
+    turned its greedy answer from transformers'). bf16 activations and weight on the CPU: the
+    row kernel's float32 sums as they are, any row count, the weight read in place."""
+    if isinstance(weight, QuantizedWeight) or weight.dtype == torch.float32:
+        return linear(x.float(), weight, None)
+    if invariant_linear.applies(x, weight):  # --deterministic
+        return invariant_linear.linear(x.float(), weight, None, None)
+    if x.dtype == torch.bfloat16 and cpu_ops.use_linear(x[..., :1, :], weight):
+        return cpu_ops.linear_bf16_float32(x, weight)
+    if x.device.type == "cuda":  # cuBLAS accumulates in float32; the result is rounded once to the weight's dtype
+        return nn.functional.linear(x, weight).float()
+    return nn.functional.linear(x.float(), weight.float())
+
+
 PACKED = "_xlserve_prepacked"
 
 
