@@ -235,7 +235,7 @@ def linear_bf16_float32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             kernels().xl_linear_amx_f32(x.data_ptr() + start * k * 2, weight.data_ptr(),
                                         out.data_ptr() + start * n * 4, m, n, k, torch.get_num_threads())
     else:
-        kernels().xl_linear_bf16(x.data_ptr(), weight.data_ptr(), None, None, out.data_ptr(), x.numel() // k, n, k,
+        kernels().xl_linear_bf16(x.data_ptr(), weight.data_ptr(), None, None, out.data_ptr(), rows, n, k,
                                  BF16_X_F32_OUT, torch.get_num_threads())
     return out
 
