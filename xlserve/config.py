@@ -182,7 +182,7 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
-SPECULATIVE_METHODS = ("none", "ngram", "suffix", "draft")
+SPECULATIVE_METHODS = ("none", "ngram", "suffix", "draft", "eagle")
 
 
 @dataclass(frozen=True)
@@ -193,13 +193,17 @@ class SpeculativeConfig:
                             "followed the latest match of the request's last few tokens in its own prompt and "
                             "output; 'suffix': the continuation most of the longest matches agree on, in the "
                             "request's tokens and in earlier answers (longer proposals where they agree); 'draft': "
-                            "--draft-model's greedy tokens.",
+                            "--draft-model's greedy tokens; 'eagle': a one-layer head on the model's own hidden states "
+                            "(--eagle-head; the default model's ships with xlserve).",
                             choices=SPECULATIVE_METHODS)
     num_speculative_tokens: int = _opt(0, "Most tokens proposed per request and step; 0: adaptive, each request "
                                        "from its recent acceptance (1 to 8).")
     draft_model: str = _opt("", "With --speculative draft: a smaller model with the target's tokenizer (a "
                             "directory or GGUF, as --model); it keeps its own KV pool of the target's token "
                             "capacity.")
+
+    eagle_head: str = _opt("", "With --speculative eagle: the head's safetensors file, made for this model by "
+                           "'xlserve train-eagle'; empty: the head shipped for the default model.")
 
     def __post_init__(self):
         if self.speculative not in SPECULATIVE_METHODS:
@@ -209,6 +213,8 @@ class SpeculativeConfig:
                              f"got {self.num_speculative_tokens}")
         if (self.speculative == "draft") != bool(self.draft_model):
             raise ValueError("--draft-model goes with --speculative draft, and --speculative draft needs it")
+        if self.eagle_head and self.speculative != "eagle":
+            raise ValueError("--eagle-head goes with --speculative eagle")
 
 
 KV_TIERS = ("host", "disk", "mooncake")

@@ -56,3 +56,10 @@ def test_a_speculating_decode_worker_answers_as_a_plain_worker(reference):
     """The decode worker rebuilds what the n-gram proposer needs from the handed-off tokens."""
     with running_server(*COMMON, "--speculative", "ngram", command="serve") as url:
         assert _answers(url) == reference
+
+
+def test_an_eagle_decode_worker_answers_as_a_plain_worker(reference):
+    """The EAGLE head shipped for the default model proposes on the decode worker (its cache
+    of the head's keys starts at the hand-off) and on the prefill worker's first token."""
+    with running_server(*COMMON, "--speculative", "eagle", command="serve") as url:
+        assert _answers(url) == reference

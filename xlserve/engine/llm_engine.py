@@ -114,7 +114,8 @@ class LLMEngine:
             except BaseException:
                 tiers.close()
                 raise
-        self.proposer = make_proposer(config, arch.vocab_size, self.tokenizer)
+        self.proposer = make_proposer(config, self.loaded)
+        self.runner.keep_hidden = self.proposer is not None and self.proposer.wants_hidden
         self.draft_lengths: dict[str, DraftLength] = {}
         self.spec = SpeculationStats()
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else set()
@@ -221,6 +222,7 @@ class LLMEngine:
             self.steps_by_path[runner_out.decode_path] += 1
         outputs += [out for rid, why in runner_out.errors.items() if (out := self._fail(rid, why))]
         self._record_speculation(sched_out, runner_out)
+        self._observe(sched_out, runner_out)
         advanced = self.scheduler.update(sched_out, runner_out.sampled, runner_out.logprobs)
         self.num_steps += 1
         for req, count in advanced:
@@ -270,6 +272,19 @@ class LLMEngine:
                 self.spec.record(s.num_proposed, accepted)
                 if (length := self.draft_lengths.get(s.request_id)) is not None:
                     length.record(s.num_proposed, accepted)
+
+    def _observe(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> None:
+        """The hidden states of the positions this step confirmed, to a proposer that reads
+        them: a chunk's every row, a checking row's accepted ones (the rows after a rejected
+        proposal hold a guess's state)."""
+        if not runner_out.hidden:
+            return
+        for s in sched_out.scheduled:
+            states, sampled = runner_out.hidden.get(s.request_id), runner_out.sampled.get(s.request_id)
+            if states is None or s.request_id in runner_out.errors or (s.num_proposed and sampled is None):
+                continue
+            confirmed = len(sampled) if s.num_proposed else len(s.token_ids)
+            self.proposer.observe(s.request_id, s.start_position, states[:confirmed])
 
     def _execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
         """Run the step; if the batch fails, run each request alone to find the ones that

@@ -36,11 +36,14 @@ class RunnerOutput:
     logprobs: dict[str, list[dict]] = field(default_factory=dict)  # one per emitted token
     errors: dict[str, str] = field(default_factory=dict)  # request id -> why it cannot go on
     decode_path: DecodePath | None = None  # the path the step's forward took
+    # request id -> the final hidden state of each token it computed (only with ``keep_hidden``)
+    hidden: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def merge(self, other: "RunnerOutput") -> None:
         self.sampled.update(other.sampled)
         self.logprobs.update(other.logprobs)
         self.errors.update(other.errors)
+        self.hidden.update(other.hidden)
 
 
 class ModelRunner:
@@ -79,6 +82,7 @@ class ModelRunner:
         self.generators: dict[str, tuple[int, torch.Generator]] = {}
         self.guided = guided
         self.matchers: dict[str, object] = {}  # request id -> grammar matcher
+        self.keep_hidden = False  # an EAGLE head reads the hidden states: each step returns them
         self.graphs = None
         single = self.tp.size == 1 and self.stage.count == 1  # graphs do not capture the ranks' collectives
         if cuda_graphs and self.device.type == "cuda" and not self.kv_plan.windowed and single:  # group 0 only
@@ -228,9 +232,12 @@ class ModelRunner:
                 logits, sampling = self._forward(output.scheduled, path, cpu_kernels)
         else:
             logits, sampling = self._forward(output.scheduled, path, cpu_kernels)
-        if logits is None:
-            return RunnerOutput(decode_path=path)
-        return self._sample(logits, sampling, path)
+        out = RunnerOutput(decode_path=path) if logits is None else self._sample(logits, sampling, path)
+        if self.keep_hidden:
+            rows = torch.tensor([0] + [len(s.token_ids) for s in output.scheduled]).cumsum(0).tolist()
+            out.hidden.update({s.request_id: self.last_hidden[start:end]
+                               for s, start, end in zip(output.scheduled, rows, rows[1:])})
+        return out
 
     @torch.inference_mode()
     def follow(self, scheduled: list[ScheduledRequest], path: DecodePath, cpu_kernels: bool) -> None:
@@ -244,6 +251,8 @@ class ModelRunner:
         if self.stage.count > 1:
             return self._forward_stages(scheduled, path, cpu_kernels)
         hidden, sampling, rows = self._run_layers(scheduled, path, cpu_kernels)
+        if self.keep_hidden:
+            self.last_hidden = hidden
         if not sampling:
             return None, []
         return self.model.compute_logits(hidden[rows]), sampling
@@ -292,7 +301,8 @@ class ModelRunner:
 
     def _graph_fits(self, scheduled: list[ScheduledRequest]) -> bool:
         """A decode-only step that a CUDA graph can replay."""
-        return (self.graphs is not None and all(len(s.token_ids) == 1 and s.sample for s in scheduled)
+        return (self.graphs is not None and not self.keep_hidden  # a graph returns logits only
+                and all(len(s.token_ids) == 1 and s.sample for s in scheduled)
                 and self.graphs.supports(len(scheduled), max(s.start_position for s in scheduled) + 1))
 
     def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest],

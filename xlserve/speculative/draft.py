@@ -25,6 +25,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 class DraftProposer(Proposer):
     name = "draft"
 
+    @classmethod
+    def create(cls, config, loaded) -> DraftProposer:
+        return cls(config, loaded.arch.vocab_size, loaded.tokenizer)
+
     def __init__(self, config, target_vocab: int, target_tokenizer=None):
         from xlserve.engine.llm_engine import pool_blocks
         from xlserve.engine.model_runner import ModelRunner

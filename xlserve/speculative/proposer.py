@@ -12,6 +12,8 @@ import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import torch
+
 
 class Proposer(ABC):
     """Invariants: ``propose`` returns at most ``k`` token ids, each one the proposer saw in
@@ -19,6 +21,16 @@ class Proposer(ABC):
     kept per request is dropped by ``forget``."""
 
     name: str
+    wants_hidden = False  # the engine hands it the target's hidden states (``observe``)
+
+    @classmethod
+    def create(cls, config, loaded) -> Proposer:
+        """The proposer for this engine (``loaded``: the target model); most need neither."""
+        return cls()
+
+    def observe(self, request_id: str, position: int, states: torch.Tensor) -> None:  # noqa: B027 - optional
+        """The target's final hidden states of a request's confirmed positions ``position ..``
+        (only called where ``wants_hidden``; most proposers read tokens only)."""
 
     @abstractmethod
     def propose(self, request_id: str, tokens: list[int], k: int) -> list[int]:
@@ -43,18 +55,18 @@ PROPOSERS = {
     "ngram": ("xlserve.speculative.ngram", "NgramProposer"),
     "suffix": ("xlserve.speculative.suffix", "SuffixProposer"),
     "draft": ("xlserve.speculative.draft", "DraftProposer"),
+    "eagle": ("xlserve.speculative.eagle", "EagleProposer"),
 }
 
 
-def make_proposer(config, vocab_size: int, tokenizer=None) -> Proposer | None:
-    """The proposer ``config.speculative.speculative`` names; None for "none". A proposer that
-    needs more than tokens (a draft model) takes the engine's config and the target's vocabulary."""
+def make_proposer(config, loaded) -> Proposer | None:
+    """The proposer ``config.speculative.speculative`` names (None for "none"), for the target
+    model ``loaded``."""
     name = config.speculative.speculative
     if name == "none":
         return None
     module, cls = PROPOSERS[name]
-    proposer_class = getattr(importlib.import_module(module), cls)
-    return proposer_class(config, vocab_size, tokenizer) if name == "draft" else proposer_class()
+    return getattr(importlib.import_module(module), cls).create(config, loaded)
 
 
 @dataclass
