@@ -217,9 +217,9 @@ class ModelRunner:
             self.matchers.pop(request_id, None)
         if not output.scheduled:
             return RunnerOutput()
-        # a fused CPU kernel may attend a row before another row of its request is written:
-        # rows that check proposals take the torch path
-        cpu_kernels = self._kernels_apply() and not any(s.num_proposed for s in output.scheduled)
+        # rows that check proposals take the CPU kernels too: each writes every row's K/V before
+        # any row attends (decode_attention.c, decode_step.c), and a row reads up to its own position
+        cpu_kernels = self._kernels_apply()
         rows = as_rows(output.scheduled)
         path = self.plan(rows, cpu_kernels)
         if path is DecodePath.CUDA_GRAPH:

@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from xlserve.layers.linear import linear, linear_float32
+from xlserve.layers.norm import RMSNorm, normalized
 from xlserve.layers.quantized import QuantizedWeight
 from xlserve.layers.rotary import RotaryEmbedding
 
@@ -63,9 +65,9 @@ class EagleHead(nn.Module):
         super().__init__()
         self.config = c = config
         h, eps = c.hidden_size, c.rms_norm_eps
-        self.embed_norm, self.feature_norm = nn.RMSNorm(h, eps), nn.RMSNorm(h, eps)
+        self.embed_norm, self.feature_norm = HeadNorm(h, eps), HeadNorm(h, eps)
         self.fc = nn.Linear(2 * h, h, bias=False)
-        self.attn_norm, self.mlp_norm, self.out_norm = nn.RMSNorm(h, eps), nn.RMSNorm(h, eps), nn.RMSNorm(h, eps)
+        self.attn_norm, self.mlp_norm, self.out_norm = HeadNorm(h, eps), HeadNorm(h, eps), HeadNorm(h, eps)
         self.q_proj = nn.Linear(h, c.num_heads * c.head_dim, bias=False)
         self.k_proj = nn.Linear(h, c.num_kv_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(h, c.num_kv_heads * c.head_dim, bias=False)
@@ -79,26 +81,26 @@ class EagleHead(nn.Module):
     # -- the layer in pieces: the proposer runs attention over its own caches ----------
     def inputs(self, features: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """The layer's input at j from the target's state at j and the embedded token at j + 1."""
-        return self.fc(torch.cat((self.embed_norm(embeds), self.feature_norm(features)), dim=-1))
+        return _linear(torch.cat((self.embed_norm(embeds), self.feature_norm(features)), dim=-1), self.fc)
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotated queries [T, Hq, D], keys and values [T, Hkv, D]."""
         c, h = self.config, self.attn_norm(x)
-        q = self.q_proj(h).view(-1, c.num_heads, c.head_dim)
-        k = self.k_proj(h).view(-1, c.num_kv_heads, c.head_dim)
-        v = self.v_proj(h).view(-1, c.num_kv_heads, c.head_dim)
+        q = _linear(h, self.q_proj).view(-1, c.num_heads, c.head_dim)
+        k = _linear(h, self.k_proj).view(-1, c.num_kv_heads, c.head_dim)
+        v = _linear(h, self.v_proj).view(-1, c.num_kv_heads, c.head_dim)
         q, k = self.rotary(self.rotary.tables(positions, x.dtype), q, k)
         return q, k, v
 
     def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The predicted target state at j + 1 (normed, as the target's final norm leaves it)."""
-        x = x + self.o_proj(attended.reshape(x.shape[0], -1))
-        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-        return self.out_norm(x + self.down(F.silu(gate) * up))
+        x = _linear(attended.reshape(x.shape[0], -1), self.o_proj, x)
+        gate, up = _linear(self.mlp_norm(x), self.gate_up).chunk(2, dim=-1)
+        return self.out_norm(_linear(F.silu(gate) * up, self.down, x))
 
     def logits(self, state: torch.Tensor) -> torch.Tensor:
         """float32 logits over the draft vocabulary."""
-        return (state @ self.output_rows.to(state.dtype).T).float()
+        return linear_float32(state, self.output_rows)
 
     # -- training: every position at once, ``steps`` guesses deep -----------------------
     def unrolled(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
@@ -155,6 +157,24 @@ class EagleHead(nn.Module):
         dense = weight.dequantize(torch.float32) if isinstance(weight, QuantizedWeight) else weight.detach()
         rows = dense[ids].float()
         self.output_rows = rows.to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+
+
+class HeadNorm(RMSNorm):
+    """The engine's RMSNorm (one kernel call a row), autograd's formula while training."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            return self.weight * normalized(x, self.eps).to(x.dtype)
+        return super().forward(x)
+
+
+def _linear(x: torch.Tensor, layer: nn.Linear, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The engine's matmul (a guess is a row or a few: bf16 weights take the bandwidth kernel,
+    with the norms and attention, 1.4 -> 0.5 ms a guess on the default model's head), autograd's while training."""
+    if torch.is_grad_enabled():
+        out = layer(x)
+        return out if residual is None else residual + out
+    return linear(x, layer.weight, None, residual)
 
 
 def _guess_mask(positions: torch.Tensor, sequence: torch.Tensor, s: int) -> torch.Tensor:
