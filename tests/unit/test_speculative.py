@@ -256,3 +256,15 @@ def test_preemptions_and_aborts_in_the_middle_of_speculation_leave_nothing(tiny_
         assert aborted > 0
         assert engine.kv.num_used_blocks == 0 and engine.kv.num_pins == 0
         assert not engine.draft_lengths and not engine.proposer.indexes
+
+
+def test_adaptive_lengths_stop_at_the_rows_one_kernel_pass_computes(tiny_model_dirs):
+    """Past 4 rows a request's check costs a second pass over the weights on the CPU kernels."""
+    from xlserve.kernels import cpu_ops
+    length = DraftLength(0, most=3)
+    length.mean_accepted = 7.0
+    assert length.next() == 3
+    assert DraftLength(5, most=3).next() == 5  # a fixed length is the user's
+    with LLM(tiny_model_dirs["llama"], dtype="float32", kv_cache_tokens=512) as llm:
+        expected = 3 if cpu_ops.kernels() is not None else DraftLength.MAX
+        assert llm.engine.runner.cheap_proposals() == expected

@@ -75,12 +75,13 @@ class DraftLength:
     or adaptive — one more than the recent mean of accepted drafts, so a request whose
     guesses keep landing gets longer ones and one whose guesses miss costs little."""
     fixed: int = 0
+    most: int = 8  # the adaptive length's cap (``ModelRunner.cheap_proposals``)
     mean_accepted: float = 2.0  # a start that proposes 3: below, a miss is cheap; above, a hit pays
     MAX = 8
     DECAY = 0.5  # weight of the latest step: acceptance shifts within a tool call's few tokens
 
     def next(self) -> int:
-        return self.fixed or max(1, min(self.MAX, round(self.mean_accepted) + 1))
+        return self.fixed or max(1, min(self.most, round(self.mean_accepted) + 1))
 
     def record(self, proposed: int, accepted: int) -> None:
         if proposed:
