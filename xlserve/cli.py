@@ -218,7 +218,7 @@ def cmd_plan(args) -> int:
 
 
 def _add_train_eagle_parser(sub) -> None:
-    from xlserve.speculative.eagle_training import EagleTrainingConfig
+    from xlserve.config import EagleTrainingConfig
     text = ("train an EAGLE head for --speculative eagle: the model answers agent and free-text asks "
             "greedily, and a one-layer head learns to guess its next tokens from its hidden states")
     p = sub.add_parser("train-eagle", help=text, description=text[0].upper() + text[1:] + ". About 30 minutes "
@@ -228,7 +228,8 @@ def _add_train_eagle_parser(sub) -> None:
 
 
 def cmd_train_eagle(args) -> int:
-    from xlserve.speculative.eagle_training import EagleTrainingConfig, train_eagle
+    from xlserve.config import EagleTrainingConfig
+    from xlserve.speculative.eagle_training import train_eagle
     _setup_logging("info")
     print(json.dumps(train_eagle(config_from_args(args, EagleTrainingConfig)), indent=2))
     return 0

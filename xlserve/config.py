@@ -217,6 +217,24 @@ class SpeculativeConfig:
             raise ValueError("--eagle-head goes with --speculative eagle")
 
 
+@dataclass(frozen=True)
+class EagleTrainingConfig:
+    """``xlserve train-eagle`` (speculative/eagle_training.py)."""
+    model: str = _opt("default", "The model the head proposes for (as --model of 'xlserve serve').")
+    out: str = _opt("eagle-head.safetensors", "Where to write the head.")
+    prompts: int = _opt(480, "Prompts to answer for training data (half tool calls, half free text).")
+    max_tokens: int = _opt(128, "Longest answer per prompt.")
+    draft_vocab: int = _opt(8192, "Tokens the head can propose: the ones the model writes most often.")
+    intermediate_size: int = _opt(1024, "Width of the head's MLP.")
+    unroll: int = _opt(3, "Guesses deep the training runs (each from the previous guess's state).")
+    epochs: int = _opt(6, "Passes over the training data.")
+    pack_tokens: int = _opt(1024, "Tokens per training batch (whole sequences packed together).")
+    lr: float = _opt(1e-3, "AdamW learning rate at the start (decays linearly to zero).")
+    dtype: str = _opt("auto", "The model's dtype when answering (the dtype the head will serve in).")
+    seed: int = _opt(0, "Seed of the prompt draws, the split, the order and the head's initial weights.")
+    threads: int = _opt(0, "Torch threads; 0: torch's default.")
+
+
 KV_TIERS = ("host", "disk", "mooncake")
 
 

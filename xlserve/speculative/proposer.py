@@ -11,8 +11,10 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the router imports this module and never loads torch
+    import torch
 
 
 class Proposer(ABC):
