@@ -15,6 +15,7 @@ reconnect by themselves); Ctrl-C or SIGTERM stops it all.
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import subprocess
 import sys
@@ -75,7 +76,7 @@ class KVStore:
         self.procs: dict[str, subprocess.Popen] = {}
         self.segments = []  # Mooncake clients holding the memory
         self.restarts = 0
-        self._stop = threading.Event()
+        self.stopping = False  # a plain flag: set from a signal handler, which must take no lock
 
     def start(self) -> None:
         client_environment(self.opts.host)
@@ -101,18 +102,32 @@ class KVStore:
 
     def supervise(self) -> None:
         """Restart the master or the metadata server whenever it exits, until ``stop``."""
-        while not self._stop.wait(0.5):
+        while not self._pause(0.5):
             for name, proc in list(self.procs.items()):
                 if proc.poll() is None:
                     continue
                 self.restarts += 1
+                # Ctrl-C reaches the whole process group: a child may exit before this
+                # process hears of it, and one restarted then would outlive the stack
+                if self._pause(min(5.0, 0.5 * self.restarts)):
+                    return
                 log.warning("the Mooncake %s exited (code %s); restarting it (restart %d)", name, proc.returncode,
                             self.restarts)
-                time.sleep(min(5.0, 0.5 * self.restarts))
                 self._spawn(name)
 
+    def _pause(self, seconds: float) -> bool:
+        """Wait up to ``seconds``; True once asked to stop."""
+        deadline = time.monotonic() + seconds
+        while not self.stopping and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.stopping
+
+    def request_stop(self) -> None:
+        """Ends ``supervise`` (safe from a signal handler: it only sets a flag)."""
+        self.stopping = True
+
     def stop(self) -> None:
-        self._stop.set()
+        self.stopping = True
         for segment in self.segments:
             try:
                 segment.close()
@@ -137,6 +152,10 @@ def run_kvstore(opts: KVStoreConfig) -> None:
     store = KVStore(opts)
     try:
         store.start()
+        # from here Ctrl-C and SIGTERM only ask the loop to stop: an exception raised inside
+        # a restart's fork would leave the new child unrecorded, and never stopped
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, frame: store.request_stop())
         print(f"{READY_LINE} at {opts.address} ({opts.gib:g} GiB); Ctrl-C stops it", flush=True)
         store.supervise()
     except KeyboardInterrupt:
