@@ -186,12 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     _add_engine_args(g, "generate")
     g.set_defaults(func=cmd_generate)
-    text = ("run a Mooncake Store for the 'mooncake' KV tier: its master and HTTP metadata server (no etcd) "
-            "supervised and restarted if it exits, and the store's memory; until Ctrl-C")
-    k = sub.add_parser("kvstore", help=text, description=text[0].upper() + text[1:] + ". Workers reach it with "
-                       "--kv-tiers ...,mooncake --kv-store-address HOST:PORT.")
-    add_config_args(k, KVStoreConfig, "store")
-    k.set_defaults(func=cmd_kvstore)
+    _config_command(sub, "kvstore", "run a Mooncake Store for the 'mooncake' KV tier: its master and HTTP "
+                    "metadata server (no etcd) supervised and restarted if it exits, and the store's memory; until "
+                    "Ctrl-C", "Workers reach it with --kv-tiers ...,mooncake --kv-store-address HOST:PORT.",
+                    KVStoreConfig, "store", cmd_kvstore)
     _add_plan_parser(sub)
     _add_train_eagle_parser(sub)
     from xlserve.bench.cli import add_bench_parser
@@ -199,15 +197,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _config_command(sub, name: str, text: str, more: str, config, group: str, func) -> None:
+    """A subcommand whose flags are ``config``'s fields: ``text`` is its help, and with ``more``
+    its description."""
+    p = sub.add_parser(name, help=text, description=f"{text[0].upper()}{text[1:]}. {more}")
+    add_config_args(p, config, group)
+    p.set_defaults(func=func)
+
+
 def _add_plan_parser(sub) -> None:
     from xlserve.planner.report import PRESETS, PlanConfig
-    text = ("print where a model's memory goes on a set of GPUs: weights per GPU by format and component, "
-            "activation peak, CUDA-graph pool, KV bytes per token by layer group, KV memory and token "
-            "capacity, and whether it fits")
-    p = sub.add_parser("plan", help=text, description=text[0].upper() + text[1:] + f". Presets: {', '.join(PRESETS)}. "
-                       "Example: xlserve plan --model llama-4-scout --gpus 2xH200")
-    add_config_args(p, PlanConfig, "plan")
-    p.set_defaults(func=cmd_plan)
+    _config_command(sub, "plan", "print where a model's memory goes on a set of GPUs: weights per GPU by format and "
+                    "component, activation peak, CUDA-graph pool, KV bytes per token by layer group, KV memory and "
+                    "token capacity, and whether it fits", f"Presets: {', '.join(PRESETS)}. Example: xlserve plan "
+                    "--model llama-4-scout --gpus 2xH200", PlanConfig, "plan", cmd_plan)
 
 
 def cmd_plan(args) -> int:
@@ -219,12 +222,10 @@ def cmd_plan(args) -> int:
 
 def _add_train_eagle_parser(sub) -> None:
     from xlserve.config import EagleTrainingConfig
-    text = ("train an EAGLE head for --speculative eagle: the model answers agent and free-text asks "
-            "greedily, and a one-layer head learns to guess its next tokens from its hidden states")
-    p = sub.add_parser("train-eagle", help=text, description=text[0].upper() + text[1:] + ". About 30 minutes "
-                       "for the default model on 2 CPU cores; serve with --speculative eagle --eagle-head OUT.")
-    add_config_args(p, EagleTrainingConfig, "training")
-    p.set_defaults(func=cmd_train_eagle)
+    _config_command(sub, "train-eagle", "train an EAGLE head for --speculative eagle: the model answers agent "
+                    "and free-text asks greedily, and a one-layer head learns to guess its next tokens from its "
+                    "hidden states", "About 11 minutes for the default model on 2 CPU cores; serve with "
+                    "--speculative eagle --eagle-head OUT.", EagleTrainingConfig, "training", cmd_train_eagle)
 
 
 def cmd_train_eagle(args) -> int:

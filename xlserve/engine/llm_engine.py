@@ -249,8 +249,10 @@ class LLMEngine:
             params = req.params
             if req.num_computed_tokens != req.num_tokens - 1:
                 continue
-            length = self.draft_lengths.setdefault(req.request_id, DraftLength(
-                self.config.speculative.num_speculative_tokens, self.runner.cheap_proposals()))
+            length = self.draft_lengths.get(req.request_id)
+            if length is None:  # once per request, not every step
+                length = self.draft_lengths[req.request_id] = DraftLength(
+                    self.config.speculative.num_speculative_tokens, self.runner.cheap_proposals())
             room = min(length.next(), params.max_tokens - req.num_output_tokens - 1,
                        self.max_model_len - req.num_tokens - 1)
             if req.pause_after is not None:

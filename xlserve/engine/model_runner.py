@@ -116,8 +116,7 @@ class ModelRunner:
         """The most proposals an adaptive length checks per request: with the AVX-512 kernels,
         a request's rows up to ``cpu_ops.LINEAR_MAX_ROWS`` (4) cost one pass over the weights
         (bf16 row kernel, quantized register path; 5 rows cost 2.5x one row), so 3; elsewhere
-        ``DraftLength.MAX``. Measured, bench spec batch-1 tool calls on the default model: suffix
-        1.90x -> 1.99x of none, eagle 1.94x -> 2.07x with the cap at 3 instead of 8."""
+        ``DraftLength.MAX``."""
         return cpu_ops.LINEAR_MAX_ROWS - 1 if self._kernels_apply() else DraftLength.MAX
 
     def _contiguous_start(self, block_ids: list[int], tokens: int) -> int | None:

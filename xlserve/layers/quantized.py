@@ -184,6 +184,14 @@ class HoldsQuantized:
         self.weight = weight
 
 
+def dense_float32(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    """A weight as float32 rows, dequantized if kept in blocks (for code that reads the values
+    outside the matmul paths: an EAGLE head taking the model's embedding and output rows)."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.dequantize(torch.float32)
+    return weight.detach().float()
+
+
 def set_activation_bits(model: torch.nn.Module, eight_bit: bool) -> None:
     """Every kept weight of the model in Q4_0, Q4_1 or Q8_0 multiplies 8-bit activations (as
     llama.cpp does: about twice the matmul speed on a CPU, results within bf16's error of the

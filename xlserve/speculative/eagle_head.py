@@ -26,7 +26,7 @@ from torch.nn import functional as F
 
 from xlserve.layers.linear import linear, linear_float32
 from xlserve.layers.norm import RMSNorm, normalized
-from xlserve.layers.quantized import QuantizedWeight
+from xlserve.layers.quantized import dense_float32
 from xlserve.layers.rotary import RotaryEmbedding
 
 
@@ -152,10 +152,8 @@ class EagleHead(nn.Module):
 
     def bind_target(self, model: nn.Module) -> None:
         """Take the target's output rows of the draft vocabulary (dequantized if stored in blocks)."""
-        weight = model.lm_head.weight
-        ids = self.draft_to_target.to(weight.device)
-        dense = weight.dequantize(torch.float32) if isinstance(weight, QuantizedWeight) else weight.detach()
-        rows = dense[ids].float()
+        dense = dense_float32(model.lm_head.weight)
+        rows = dense[self.draft_to_target.to(dense.device)]
         self.output_rows = rows.to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
 
 

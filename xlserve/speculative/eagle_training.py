@@ -30,6 +30,7 @@ from torch.nn import functional as F
 from tqdm.auto import tqdm
 
 from xlserve.config import EagleTrainingConfig
+from xlserve.layers.quantized import dense_float32
 from xlserve.speculative.eagle_head import EagleHead, EagleHeadConfig
 from xlserve.speculative.proposer import Proposer
 
@@ -267,8 +268,5 @@ def train_eagle(cfg: EagleTrainingConfig) -> dict:
 
 def _frozen_embedding(model):
     """The target's token embedding as float32 rows, for lookups outside inference mode."""
-    weight = model.model.embed_tokens.weight
-    from xlserve.layers.quantized import QuantizedWeight
-    dense = weight.dequantize(torch.float32) if isinstance(weight, QuantizedWeight) else weight.detach().float()
-    dense = dense.clone()
+    dense = dense_float32(model.model.embed_tokens.weight).clone()
     return lambda ids: F.embedding(ids, dense)
