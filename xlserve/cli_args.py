@@ -25,7 +25,8 @@ def add_config_args(parser: argparse.ArgumentParser, cls, title: str | None = No
             continue
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
-        help_text = f.metadata.get("help", "") + f" (default: {f.default!r})"
+        # argparse formats help with %: a literal one ("past 90%") must be doubled
+        help_text = (f.metadata.get("help", "") + f" (default: {f.default!r})").replace("%", "%%")
         if kind is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=f.default, help=help_text)
