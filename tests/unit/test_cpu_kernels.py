@@ -21,7 +21,7 @@ def _close(a, b, dtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 37, 64])
 @pytest.mark.parametrize("shape", [(960, 576), (49, 37), (17, 16), (130, 1536)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_matches_reference(rows, shape, dtype):
@@ -38,6 +38,37 @@ def test_linear_matches_reference(rows, shape, dtype):
 
 
 needs_amx = pytest.mark.skipif(cpu_ops.kernels() is None or not cpu_ops.amx_ready(), reason="CPU without AMX")
+needs_bf16_dot = pytest.mark.skipif(cpu_ops.kernels() is None or not cpu_ops.bf16_dot_ready(),
+                                    reason="CPU without AVX512-BF16")
+# 5-64 decode rows multiply on AMX tiles or, without AMX, on the row kernel's vdpbf16ps blocks
+needs_batched_kernel = pytest.mark.skipif(
+    cpu_ops.kernels() is None or not (cpu_ops.amx_ready() or cpu_ops.batched_rows()),
+    reason="CPU with neither AMX nor AVX512-BF16")
+
+
+def _row_kernel_sums(x, w):
+    """The row kernel's float32 sums for bf16 ``x`` of any row count (never the AMX tiles)."""
+    out = torch.empty(x.shape[0], w.shape[0])
+    cpu_ops.kernels().xl_linear_bf16(x.data_ptr(), w.data_ptr(), None, None, out.data_ptr(), x.shape[0],
+                                     w.shape[0], w.shape[1], cpu_ops.BF16_X_F32_OUT, 2)
+    return out
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("shape", [(960, 576), (49, 37), (3, 40), (130, 1536)])
+def test_bf16_rows_are_the_same_bits_in_any_batch(shape):
+    """On vdpbf16ps every output is one dot product in one order, whatever the row count and
+    so the blocking (8 x 1-2 streamed, 4 x 1-4 batched, single weight rows at the tail), so
+    a row's float32 sum is bit-identical alone or in a batch of up to 64 (tails of N and K
+    too), and so is the rounded bf16 output."""
+    n, k = shape
+    g = torch.Generator().manual_seed(n)
+    w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(64, k, generator=g).bfloat16()
+    alone = torch.cat([_row_kernel_sums(x[i:i + 1], w) for i in range(64)])
+    for rows in (2, 3, 5, 8, 13, 64):
+        assert torch.equal(_row_kernel_sums(x[:rows], w), alone[:rows])
+    _close(alone, x.double() @ w.double().T, torch.bfloat16)
+    assert torch.equal(cpu_ops.linear_bf16(x, w), alone.bfloat16())
 
 
 @needs_amx
@@ -130,8 +161,14 @@ def test_decode_attention_matches_sdpa(dtype, hq, hk, d, lens):
 def test_dispatch_and_switch_back_to_eager():
     w = torch.randn(64, 32).bfloat16()
     assert cpu_ops.use_linear(torch.randn(1, 32).bfloat16(), w)
-    assert not cpu_ops.use_linear(torch.randn(cpu_ops.LINEAR_MAX_ROWS + 1, 32).bfloat16(), w)
+    batch = torch.randn(cpu_ops.LINEAR_MAX_ROWS + 1, 32)
+    # more rows take the AMX tiles where they run, the row kernel's batched blocks on AVX512-BF16 without
+    assert cpu_ops.use_linear(batch.bfloat16(), w) == cpu_ops.batched_rows()
+    assert cpu_ops.use_linear(torch.randn(cpu_ops.BF16_DOT_MAX_ROWS, 32).bfloat16(), w) == cpu_ops.batched_rows()
+    assert not cpu_ops.use_linear(torch.randn(cpu_ops.BF16_DOT_MAX_ROWS + 1, 32).bfloat16(), w)
+    assert not cpu_ops.use_linear(batch, w)  # fp32 rows: widened, bandwidth-bound, 1-4 only
     assert not cpu_ops.use_linear(torch.randn(1, 32), w.float())
+    assert not (cpu_ops.batched_rows() and cpu_ops.amx_ready())
     cpu_ops.set_enabled(False)
     try:
         assert not cpu_ops.use_linear(torch.randn(1, 32).bfloat16(), w)
@@ -165,10 +202,11 @@ def test_one_call_decode_step_matches_eager(tiny_llama_dir, monkeypatch):
     assert fused == eager
 
 
-@needs_amx
+@needs_batched_kernel
 def test_one_call_batched_decode_matches_per_layer_path(tiny_llama_dir, monkeypatch):
-    """Eight decode rows in one C call (AMX projections, vectorized SiLU) give the tokens and
-    logprobs of the per-layer path that calls the same matmul from Python. (Against eager
+    """Eight decode rows in one C call (AMX projections, or without AMX the row kernel's
+    vdpbf16ps blocks; vectorized SiLU) give the tokens and logprobs of the per-layer path
+    that calls the same matmul from Python. (Against eager
     torch this tiny model's bf16 logits tie too often to compare tokens; the real model's
     batched check is in tests/e2e/test_optimized_equals_eager.py.)"""
     from xlserve.models import llama

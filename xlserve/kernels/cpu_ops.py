@@ -28,6 +28,9 @@ SOURCES = [Path(__file__).with_name(n) for n in ("gemv_bf16.c", "gemm_amx.c", "d
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 LINEAR_MAX_ROWS = 4  # beyond this, a matmul on AMX tiles (or oneDNN's GEMM) beats a pass per row block
 MAX_ROWS = 64  # decode batches up to this size take the fused path (norm, rope, attention)
+# ...and, on vdpbf16ps without AMX, the row kernel's batched blocks (gemv_bf16.c) up to this many
+# rows: every output the same bits in any batch, and a decode step of up to MAX_ROWS in one call
+BF16_DOT_MAX_ROWS = MAX_ROWS
 AMX_MAX_ROWS = MAX_ROWS  # up to this many rows our AMX matmul beats oneDNN's (which reorders the weight per call)
 MAX_HEAD_DIM = 1024
 
@@ -35,6 +38,7 @@ _lock = threading.Lock()
 _lib = None
 _tried = False
 _amx: bool | None = None
+_bf16_dot: bool | None = None
 _enabled = os.environ.get("XLSERVE_EAGER", "") in ("", "0")
 
 P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -45,6 +49,7 @@ SIGNATURES = {
     "xl_silu_mul": [P, P, I64, I64, I32],
     "xl_decode_attention": [P, P, P, I64, P, P, P, P, P, P, I64, I64, I64, I64, I64, F32, I32, I32],
     "xl_amx_ready": [],
+    "xl_bf16_dot_ready": [],
     "xl_linear_amx": [P, P, P, P, P, I64, I64, I64, I32],
     "xl_linear_amx_f32": [P, P, P, I64, I64, I64, I32],
     "xl_decode_layers": [P, I64, I64, I64, P, F32, I64, I64, I64, I64, P, P, P, P, P, I64, F32, I32, I32],
@@ -138,7 +143,7 @@ def _build() -> ctypes.CDLL | None:
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
-    lib.xl_amx_ready.restype = ctypes.c_int
+    lib.xl_amx_ready.restype = lib.xl_bf16_dot_ready.restype = ctypes.c_int
     return lib
 
 
@@ -198,8 +203,27 @@ def _is_bf16(t: torch.Tensor) -> int:
 
 
 def use_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (weight.dtype == torch.bfloat16 and x.numel() // x.shape[-1] <= LINEAR_MAX_ROWS
-            and usable(weight, x))
+    """The row kernel applies: a bf16 weight and 1-4 rows, or up to ``BF16_DOT_MAX_ROWS`` bf16
+    rows where vdpbf16ps multiplies them and AMX does not (``batched_rows``)."""
+    rows = x.numel() // x.shape[-1]
+    return (weight.dtype == torch.bfloat16 and (rows <= LINEAR_MAX_ROWS or (
+        rows <= BF16_DOT_MAX_ROWS and x.dtype == torch.bfloat16 and batched_rows()))
+        and usable(weight, x))
+
+
+def batched_rows() -> bool:
+    """Batches of bf16 rows (5 to ``BF16_DOT_MAX_ROWS``) take the row kernel's batched blocks:
+    the CPU has AVX512-BF16 and no usable AMX (whose tiles are faster where they run)."""
+    return bf16_dot_ready() and not amx_ready()
+
+
+def bf16_dot_ready() -> bool:
+    """The kernels were built with AVX512-BF16 (bf16 rows multiply on vdpbf16ps)."""
+    global _bf16_dot
+    if _bf16_dot is None:
+        lib = kernels()
+        _bf16_dot = lib is not None and bool(lib.xl_bf16_dot_ready())
+    return _bf16_dot
 
 
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

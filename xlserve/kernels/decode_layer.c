@@ -24,7 +24,8 @@ void xl_linear_amx(const uint16_t* x, const uint16_t* w, const void* bias, const
 int xl_amx_ready(void);
 
 /* A projection of B rows: the row kernel for a few rows, AMX tiles for more where they
- * apply (cpu_ops.use_amx is the same rule), else the row kernel in row blocks. */
+ * apply (cpu_ops.use_amx is the same rule), else the row kernel's batched blocks (on
+ * vdpbf16ps: each row the bits it has alone, cpu_ops.batched_rows). */
 static void project(const void* x, const uint16_t* w, const void* bias, const void* residual, void* out, int64_t B,
                     int64_t N, int64_t K, int bf16, int threads) {
   if (B > 4 && bf16 && N % 32 == 0 && K % 32 == 0 && xl_amx_ready())

@@ -21,8 +21,9 @@ from xlserve.parallel import tensor_parallel
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            residual: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias (+ residual)``; few-row bf16 CPU matmuls (decode) take the
-    bandwidth kernel, batches up to ``cpu_ops.AMX_MAX_ROWS`` rows the AMX kernel (both read
-    the weight in place and add the residual); larger ones the prepacked twin of the weight
+    bandwidth kernel, batches up to ``cpu_ops.AMX_MAX_ROWS`` rows the AMX kernel, or without
+    AMX, on AVX512-BF16, the row kernel's batched blocks (all read the weight in place and
+    add the residual); larger ones the prepacked twin of the weight
     when there is one (``prepack_linear_weights``), else torch. A weight kept in its file's
     block format computes with its own kernel (``QuantizedWeight.linear``), and under
     ``--deterministic`` a dense one with ``invariant_linear`` (one reduction order per row)."""

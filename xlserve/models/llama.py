@@ -106,8 +106,10 @@ class DecoderLayer(nn.Module):
 
     def one_call_fits(self, rows: int) -> bool:
         """The decode-layer kernel takes ``rows`` rows of this layer: bf16 weights, and 1-4
-        rows (the row kernel) or up to ``cpu_ops.AMX_MAX_ROWS`` where every projection fits
-        AMX (the features it implements: ``engine/decode_plan.py``)."""
+        rows (the row kernel), up to ``cpu_ops.AMX_MAX_ROWS`` where every projection fits
+        AMX, or up to ``cpu_ops.BF16_DOT_MAX_ROWS`` on the row kernel's batched blocks where
+        the CPU has AVX512-BF16 without AMX (the features it implements:
+        ``engine/decode_plan.py``)."""
         attn, mlp = self.self_attn, self.mlp
         if not isinstance(attn, Attention) or not isinstance(mlp, MLP) or attn.o_proj.bias is not None:
             return False  # (the C layer adds the q/k/v bias only)
@@ -115,10 +117,9 @@ class DecoderLayer(nn.Module):
         if any(not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 for w in weights) \
                 or not cpu_ops.usable(attn.qkv_proj.weight):  # kept-quantized weights: their own kernel
             return False
-        return rows <= cpu_ops.LINEAR_MAX_ROWS or (
-            rows <= cpu_ops.AMX_MAX_ROWS and cpu_ops.amx_ready()
-            and cpu_ops.amx_shapes(attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight,
-                                   mlp.down_proj.weight))
+        if rows <= cpu_ops.LINEAR_MAX_ROWS or (rows <= cpu_ops.BF16_DOT_MAX_ROWS and cpu_ops.batched_rows()):
+            return True
+        return rows <= cpu_ops.AMX_MAX_ROWS and cpu_ops.amx_ready() and cpu_ops.amx_shapes(*weights)
 
     def kernel_addresses(self) -> list[int]:
         """This layer's weight and KV-cache addresses in ``cpu_ops.decode_layers_``'s order."""
