@@ -129,6 +129,30 @@ def test_a_dead_rank_stops_the_engine_within_the_timeout(tiny_model_dirs, split)
     assert tensor_parallel.current().size == 1
 
 
+def test_a_plan_towards_a_rank_that_stopped_reading_fails_within_the_timeout(tiny_model_dirs):
+    """The plan group never times out (idle ranks wait on it), so rank 0's sends carry their own
+    bound: a plan larger than the socket's buffers towards a rank that stopped reading fails
+    the worker within --distributed-timeout instead of blocking it for good."""
+    import signal
+    import time
+
+    from xlserve.engine.errors import EngineFatal
+    from xlserve.parallel.rank_plan import PlanKind, RankPlan
+    llm = LLM(tiny_model_dirs["llama"], dtype="float32", kv_cache_tokens=256, distributed_timeout=3,
+              tensor_parallel_size=2)
+    (rank,) = psutil.Process().children()
+    try:
+        llm.generate(list(range(10, 20)), SamplingParams(max_tokens=2, temperature=0))
+        rank.send_signal(signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(EngineFatal, match="out of step"):
+            llm.engine.ranks.broadcast(RankPlan(kind=PlanKind.KV_EXPORT, block_ids=list(range(4_000_000))))
+        assert time.monotonic() - start < 15
+    finally:
+        rank.kill()
+        llm.close()
+
+
 def test_the_parallel_benchmark_runs(tiny_model_dirs):
     """``xlserve bench parallel`` end to end on a tiny model (its figures go to docs/benchmarks.md)."""
     from xlserve.bench.parallel_bench import ParallelBenchOptions, parallel_table, run_parallel_bench

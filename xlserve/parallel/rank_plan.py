@@ -10,6 +10,7 @@ every layer, the same collectives in the same order) and leave sampling to rank 
 
 from __future__ import annotations
 
+import datetime
 import enum
 
 import torch
@@ -64,12 +65,16 @@ class RankPlan(BaseModel):
                 for i, c in enumerate(self.chunks)]
 
 
-def send_plan(plan: RankPlan, group) -> None:
-    """From rank 0 to every rank of ``group``: the JSON's length, then its bytes."""
+def send_plan(plan: RankPlan, group, timeout: datetime.timedelta) -> None:
+    """From rank 0 to every rank of ``group``: the JSON's length, then its bytes, each send
+    bounded by ``timeout``. The plan group itself never times out (idle ranks wait on it while
+    the worker lives), so without this bound a send towards a rank that died could wait as
+    long: seen in a full test run, rank 0 blocked in this broadcast minutes after its peer
+    was killed, where alone the same test fails the send at once."""
     import torch.distributed as dist
     data = plan.model_dump_json().encode()
-    dist.broadcast(torch.tensor([len(data)], dtype=torch.int64), 0, group=group)
-    dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, group=group)
+    for payload in (torch.tensor([len(data)], dtype=torch.int64), torch.frombuffer(bytearray(data), dtype=torch.uint8)):
+        dist.broadcast(payload, 0, group=group, async_op=True).wait(timeout=timeout)
 
 
 def receive_plan(group) -> RankPlan:

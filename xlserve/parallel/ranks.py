@@ -216,6 +216,7 @@ class WorkerRanks(KVShards):
     def __init__(self, config: EngineConfig):
         p = config.parallel
         self.init_method = init_method = rendezvous(config)
+        self.timeout = datetime.timedelta(seconds=p.distributed_timeout)
         self.procs = start_ranks(config, init_method, range(1, p.world_size // p.nnodes))
         try:
             self.plan_group = join(init_method, 0, config)
@@ -230,7 +231,7 @@ class WorkerRanks(KVShards):
 
     def broadcast(self, plan: RankPlan) -> None:
         with out_of_step():
-            send_plan(plan, self.plan_group)
+            send_plan(plan, self.plan_group, self.timeout)
 
     def send_step(self, output, path: DecodePath, cpu_kernels: bool) -> None:
         self.broadcast(RankPlan.of(output, path, cpu_kernels))
