@@ -9,13 +9,13 @@ import torch
 from tests.unit.test_quantized_weights import MIX, write_mixed_gguf
 from xlserve import LLM, SamplingParams
 from xlserve.engine.decode_plan import DecodePath
+from xlserve.engine.model_runner import ModelRunner
 from xlserve.kernels import cpu_ops, decode_step, portable_library
 from xlserve.kernels.gguf_blocks import BlockType
 from xlserve.models.llama import LlamaForCausalLM
 
 BUILDS = [isa for isa in portable_library.available_isas() if portable_library.library(isa) is not None]
-# where the AVX-512 decode kernels load, they take decode steps and this path never runs
-TAKEN = bool(BUILDS) and cpu_ops.kernels() is None
+TAKEN = bool(BUILDS)  # on AVX-512 CPUs too: its steps come after the AVX-512 one-call layer (bf16 dense only)
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 40, 17, 2)]
 
@@ -59,8 +59,9 @@ def _on_both_paths(llm: LLM, monkeypatch) -> None:
     alone = [_generate(llm, [p])[0] for p in PROMPTS]
     with monkeypatch.context() as patched:
         patched.setattr(LlamaForCausalLM, "step_fits", lambda self: False)
+        patched.setattr(ModelRunner, "_kernels_apply", lambda self: False)  # nor the AVX-512 decode kernels
         eager = _generate(llm, PROMPTS)
-        assert DecodePath.PORTABLE_ONE_CALL not in llm.engine.steps_by_path
+        assert set(llm.engine.steps_by_path) == {DecodePath.EAGER}
     assert batched == alone == eager
 
 
@@ -71,7 +72,7 @@ def mixed_gguf(tmp_path_factory):
     return path
 
 
-@pytest.mark.skipif(not TAKEN, reason="the portable kernels do not build, or the AVX-512 ones take decode")
+@pytest.mark.skipif(not TAKEN, reason="the portable kernels do not build")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("int8", [False, True], ids=["fp32-activations", "int8-activations"])
 def test_kept_quantized_weights_decode_in_one_call_with_the_eager_bits(mixed_gguf, dtype, int8, monkeypatch):
@@ -96,18 +97,20 @@ def biased_llama(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.skipif(not TAKEN, reason="the portable kernels do not build, or the AVX-512 ones take decode")
+@pytest.mark.skipif(not TAKEN, reason="the portable kernels do not build")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_dense_weights_under_deterministic_decode_in_one_call_with_the_eager_bits(biased_llama, dtype, monkeypatch):
     _on_both_paths(LLM(biased_llama, dtype=dtype, kv_cache_tokens=1024, deterministic=True), monkeypatch)
 
 
-@pytest.mark.skipif(not TAKEN, reason="the portable kernels do not build, or the AVX-512 ones take decode")
+@pytest.mark.skipif(not TAKEN, reason="the portable kernels do not build")
 def test_dense_weights_without_deterministic_stay_on_the_eager_path(biased_llama):
-    """torch multiplies them in the eager path, with a blocking the C step cannot reproduce."""
+    """torch multiplies them in the eager path, with a blocking the C step cannot reproduce
+    (where the AVX-512 kernels load, their per-layer decode path takes the step)."""
     llm = LLM(biased_llama, dtype="float32", kv_cache_tokens=1024)
     _generate(llm, PROMPTS[:1])
-    assert set(llm.engine.steps_by_path) == {DecodePath.EAGER}
+    expected = {DecodePath.EAGER, DecodePath.FUSED_LAYERS} if cpu_ops.kernels() else {DecodePath.EAGER}
+    assert set(llm.engine.steps_by_path) == expected
 
 
 @pytest.mark.skipif(not BUILDS, reason="no C compiler or not an x86-64 CPU with AVX2")

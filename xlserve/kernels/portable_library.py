@@ -92,11 +92,11 @@ def kernels() -> ctypes.CDLL | None:
 
 def row_kernels(*tensors: torch.Tensor) -> ctypes.CDLL | None:
     """The build, when its row kernels (RMSNorm, SiLU-and-multiply) compute these tensors in the
-    eager path: CPU, fp32 or bf16, and the AVX-512 decode kernels (``cpu_ops``) not loaded
-    (where they are, the eager path rounds as they do). The one-call decode step
-    (``decode_step.c``) calls the same kernels, so a row gets the same bits on both paths.
+    eager path: CPU, fp32 or bf16, on every CPU the build runs (AVX-512 ones too, where the
+    AVX-512 decode kernels have their own norm inside their fused paths). The one-call decode
+    step (``decode_step.c``) calls the same kernels, so a row gets the same bits on both paths.
     Nothing here may depend on the batch (not even contiguity, which a one-row view has and a
     many-row one lacks): a row must take the same kernel alone or batched."""
     if not all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16) for t in tensors):
         return None
-    return kernels() if cpu_ops.kernels() is None else None
+    return kernels()

@@ -4,7 +4,7 @@ applied after rounding back to the input dtype) and Gemma's (1 + weight, applied
 import torch
 from torch import nn
 
-from xlserve.kernels import cpu_ops, decode_step, portable_library
+from xlserve.kernels import decode_step, portable_library
 
 
 def normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -24,10 +24,8 @@ class RMSNorm(nn.Module):
         # contiguous first: a one-row view of q or k (for q/k norms) is contiguous where a many-row one
         # is not, and a row must take the same kernel alone or batched
         x = x.contiguous()
-        if x.dtype == self.weight.dtype and cpu_ops.usable(x, self.weight):
-            return cpu_ops.rmsnorm(x, self.weight, self.eps)  # the same rounding, one call
         lib = portable_library.row_kernels(x, self.weight) if x.dtype == self.weight.dtype else None
-        if lib is not None:  # what the one-call decode step computes (decode_step.c)
+        if lib is not None:  # what the one-call decode step computes (decode_step.c), the same rounding
             return decode_step.rmsnorm(lib, x, self.weight, self.eps)
         return self.weight * normalized(x, self.eps).to(x.dtype)
 
