@@ -37,8 +37,7 @@ MAX_HEAD_DIM = 1024
 _lock = threading.Lock()
 _lib = None
 _tried = False
-_amx: bool | None = None
-_bf16_dot: bool | None = None
+_answers: dict[str, bool] = {}  # _library_says
 _enabled = os.environ.get("XLSERVE_EAGER", "") in ("", "0")
 
 P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -219,11 +218,18 @@ def batched_rows() -> bool:
 
 def bf16_dot_ready() -> bool:
     """The kernels were built with AVX512-BF16 (bf16 rows multiply on vdpbf16ps)."""
-    global _bf16_dot
-    if _bf16_dot is None:
+    return _library_says("xl_bf16_dot_ready")
+
+
+def _library_says(question: str) -> bool:
+    """A yes or no the loaded library answers once per process (``xl_amx_ready`` asks the OS
+    for the tiles); no while the library is not loaded or switched off."""
+    if question not in _answers:
         lib = kernels()
-        _bf16_dot = lib is not None and bool(lib.xl_bf16_dot_ready())
-    return _bf16_dot
+        if lib is None:
+            return False
+        _answers[question] = bool(getattr(lib, question)())
+    return _answers[question]
 
 
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -279,11 +285,7 @@ def amx_shapes(*weights: torch.Tensor) -> bool:
 
 def amx_ready() -> bool:
     """The kernels were built with AMX and the OS lets this process use the tiles."""
-    global _amx
-    if _amx is None:
-        lib = kernels()
-        _amx = lib is not None and bool(lib.xl_amx_ready())
-    return _amx
+    return _library_says("xl_amx_ready")
 
 
 def linear_amx(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
