@@ -168,7 +168,6 @@ def test_dispatch_and_switch_back_to_eager():
     assert not cpu_ops.use_linear(torch.randn(cpu_ops.BF16_DOT_MAX_ROWS + 1, 32).bfloat16(), w)
     assert not cpu_ops.use_linear(batch, w)  # fp32 rows: widened, bandwidth-bound, 1-4 only
     assert not cpu_ops.use_linear(torch.randn(1, 32), w.float())
-    assert not (cpu_ops.batched_rows() and cpu_ops.amx_ready())
     cpu_ops.set_enabled(False)
     try:
         assert not cpu_ops.use_linear(torch.randn(1, 32).bfloat16(), w)
