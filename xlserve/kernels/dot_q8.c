@@ -76,6 +76,7 @@ static inline __attribute__((always_inline)) void tile_dot(int type, const uint8
     const __m256i qx = _mm256_loadu_si256((const __m256i*)(xq + 32 * b));
     for (int r = 0; r < NR; ++r) {
       const uint8_t* blk = w + (r < rows ? r : 0) * row_bytes + b * bytes;
+      prefetch_ahead(blk);
       const __m256 d = _mm256_set1_ps(half(blk) * xb[b].d);
       __m256 dot;
       if (type == Q4_1) {

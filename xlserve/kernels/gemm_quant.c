@@ -148,7 +148,10 @@ static const block_kind* kind_of(int type) {
 }
 
 static void dequant_row(const block_kind* k, const uint8_t* row, int64_t K, float* y) {
-  for (int64_t i = 0; i < K / k->values; ++i) k->fn(row + i * k->bytes, y + i * k->values);
+  for (int64_t i = 0; i < K / k->values; ++i) {
+    prefetch_ahead(row + i * k->bytes);
+    k->fn(row + i * k->bytes, y + i * k->values);
+  }
 }
 
 /* out[n, :] = dequant(w row ids[n]) for n < count: an embedding lookup. */
@@ -235,7 +238,9 @@ static inline void regs_q4_1(const uint8_t* b, vf* w) {
     for (int64_t blk = 0; blk < K / 32; ++blk) {                                                \
       for (int r = 0; r < NR; ++r) {                                                            \
         vf wv[VPB];                                                                             \
-        regs_##T(w + (r < rows ? r : 0) * row_bytes + blk * bytes, wv);                         \
+        const uint8_t* block = w + (r < rows ? r : 0) * row_bytes + blk * bytes;                  \
+        prefetch_ahead(block);                                                                  \
+        regs_##T(block, wv);                                                                    \
         for (int m = 0; m < MR; ++m)                                                            \
           for (int v = 0; v < VPB; ++v)                                                         \
             acc[m][r] = vfma(wv[v], vload(x + m * K + blk * 32 + v * VW), acc[m][r]);           \
