@@ -147,9 +147,11 @@ static const block_kind* kind_of(int type) {
   return NULL;
 }
 
-static void dequant_row(const block_kind* k, const uint8_t* row, int64_t K, float* y) {
+/* ``streamed``: the row is one of a weight read front to back (a matmul's tile), so the bytes
+ * ahead are the next rows' and worth prefetching; an embedding lookup's rows are not. */
+static void dequant_row(const block_kind* k, const uint8_t* row, int64_t K, float* y, int streamed) {
   for (int64_t i = 0; i < K / k->values; ++i) {
-    prefetch_ahead(row + i * k->bytes);
+    if (streamed) prefetch_ahead(row + i * k->bytes);
     k->fn(row + i * k->bytes, y + i * k->values);
   }
 }
@@ -159,7 +161,7 @@ void xl_dequant_rows(int type, const uint8_t* w, int64_t row_bytes, const int64_
                      float* out, int threads) {
   const block_kind* k = kind_of(type);
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t n = 0; n < count; ++n) dequant_row(k, w + ids[n] * row_bytes, K, out + n * K);
+  for (int64_t n = 0; n < count; ++n) dequant_row(k, w + ids[n] * row_bytes, K, out + n * K, 0);
 }
 
 /* MR activation rows against NR dequantized weight rows ``w`` (row stride K). */
@@ -304,7 +306,7 @@ void xl_linear_quant(int type, const float* x, const uint8_t* w, int64_t row_byt
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t n0 = t * NR;
       const int rows = N - n0 < NR ? (int)(N - n0) : NR;
-      for (int r = 0; r < rows; ++r) dequant_row(kind, w + (n0 + r) * row_bytes, K, buf + r * K);
+      for (int r = 0; r < rows; ++r) dequant_row(kind, w + (n0 + r) * row_bytes, K, buf + r * K, 1);
       multiply_tile(buf, rows, x, M, K, out + n0, ldo);
     }
     free(buf);
