@@ -103,10 +103,22 @@ def test_a_prefix_computed_on_one_worker_is_a_hit_on_the_other(cluster):
     assert all("mooncake" in w["kv_tiers"]["tiers"] for w in workers)
 
 
+def _masters(store: subprocess.Popen) -> list[psutil.Process]:
+    return [c for c in psutil.Process(store.pid).children() if "mooncake_master" in c.name()]
+
+
 def _master(store: subprocess.Popen) -> psutil.Process:
-    children = [c for c in psutil.Process(store.pid).children() if "mooncake_master" in c.name()]
+    children = _masters(store)
     assert len(children) == 1
     return children[0]
+
+
+def _restarted(store: subprocess.Popen, killed: psutil.Process) -> bool:
+    """A new master runs (between the kill and kvstore's restart there is none, for its backoff)."""
+    try:
+        return any(c.pid != killed.pid and c.status() != psutil.STATUS_ZOMBIE for c in _masters(store))
+    except psutil.NoSuchProcess:  # a child that went between listing and asking
+        return False
 
 
 def test_killing_the_master_mid_load_fails_no_request(cluster):
@@ -121,7 +133,7 @@ def test_killing_the_master_mid_load_fails_no_request(cluster):
     assert all(a.choices[0].finish_reason in ("stop", "length") for a, _ in answers)
     assert time.monotonic() - started < DEADLINE_S
     # kvstore restarts its master; the workers' clients reconnect and sharing comes back
-    _wait_for(lambda: _master(cluster["store"]).pid != master.pid, "the master to be restarted")
+    _wait_for(lambda: _restarted(cluster["store"], master), "the master to be restarted")
     attempts = iter(range(1000))
 
     def shared_again():  # a context neither worker has seen: a hit on the second is the cluster's
