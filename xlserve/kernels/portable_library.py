@@ -1,9 +1,9 @@
 """The kernels built per instruction set (``gemm_quant.c``, ``dot_q8.c``, ``attention_paged.c``,
 ``decode_step.c``) on first use and called through ctypes (which releases the GIL).
 
-Two builds of the same sources: AVX-512 where the CPU has it, AVX2 + FMA + F16C elsewhere
-(every x86-64 CPU since 2013), so AMD and Intel CPUs alike run them. Tests build both where
-the CPU allows and hold each to the reference. Without a compiler, on another architecture
+Three builds of the same sources: AVX-512 with VNNI or without it where the CPU has them,
+AVX2 + FMA + F16C elsewhere (every x86-64 CPU since 2013), so AMD and Intel CPUs alike run
+them. Tests build each one the CPU allows and hold it to the reference. Without a compiler, on another architecture
 or with the kernels switched off (``XLSERVE_EAGER=1``), callers compute with torch.
 """
 
@@ -25,17 +25,26 @@ COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]  # e
 
 
 class ISA(enum.Enum):
-    """An instruction set the kernels are built for, best first."""
+    """An instruction set the kernels are built for, best first. AVX512_VNNI (Intel Ice Lake and
+    later, AMD Zen 4 and later) adds the 8-bit activations' vpdpbusd path (``dot_q8.c``);
+    AVX512 alone is Skylake-X's."""
+    AVX512_VNNI = "avx512-vnni"
     AVX512 = "avx512"
     AVX2 = "avx2"
 
     @property
     def cpu_flags(self) -> set[str]:
-        return {"avx512f", "f16c"} if self is ISA.AVX512 else {"avx2", "fma", "f16c"}
+        return CPU_FLAGS[self]
 
     @property
     def cflags(self) -> list[str]:
-        return ["-mavx512f", "-mf16c", "-mfma"] if self is ISA.AVX512 else ["-mavx2", "-mfma", "-mf16c"]
+        return CFLAGS[self]
+
+
+CPU_FLAGS = {ISA.AVX512_VNNI: {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c"},
+             ISA.AVX512: {"avx512f", "f16c"}, ISA.AVX2: {"avx2", "fma", "f16c"}}
+CFLAGS = {ISA.AVX512_VNNI: ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma"],
+          ISA.AVX512: ["-mavx512f", "-mf16c", "-mfma"], ISA.AVX2: ["-mavx2", "-mfma", "-mf16c"]}
 
 
 P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
