@@ -196,8 +196,9 @@ class SpeculativeConfig:
                             "--draft-model's greedy tokens; 'eagle': a one-layer head on the model's own hidden states "
                             "(--eagle-head; the default model's ships with xlserve).",
                             choices=SPECULATIVE_METHODS)
-    num_speculative_tokens: int = _opt(0, "Most tokens proposed per request and step; 0: adaptive, each request "
-                                       "from its recent acceptance (1 to 8).")
+    num_speculative_tokens: int = _opt(0, "Most tokens proposed per request and step; 0: adaptive (0 to 8 "
+                                       "per request and step, where the guesses likeliest to land raise the "
+                                       "expected tokens per second of this engine's measured step times).")
     draft_model: str = _opt("", "With --speculative draft: a smaller model with the target's tokenizer (a "
                             "directory or GGUF, as --model); it keeps its own KV pool of the target's token "
                             "capacity.")

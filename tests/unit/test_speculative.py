@@ -13,8 +13,8 @@ import torch
 
 from xlserve import LLM, SamplingParams
 from xlserve.engine.sampler import Sampler
+from xlserve.speculative.draft_budget import MAX_PROPOSALS, DraftLength, StepCosts, plan_lengths
 from xlserve.speculative.ngram import NgramProposer
-from xlserve.speculative.proposer import DraftLength
 from xlserve.speculative.verifier import verify
 
 
@@ -205,16 +205,59 @@ def test_suffix_follows_the_longest_matches_where_they_agree():
     assert proposer.propose("c", [5, 33, 34, 35], 3) == []  # its end: no token crosses into the next
 
 
-def test_adaptive_lengths_follow_acceptance():
+def test_a_request_rate_follows_its_checks():
     length = DraftLength()
-    first = length.next()
-    for _ in range(6):
-        length.record(length.next(), length.next())  # every proposal kept: longer ones
-    assert length.next() > first and length.next() <= DraftLength.MAX
-    for _ in range(6):
-        length.record(length.next(), 0)
-    assert length.next() == 1
-    assert DraftLength(fixed=4).next() == 4
+    for _ in range(8):
+        length.record(4, 4)  # every guess landed
+    assert length.rate > 0.95
+    for _ in range(8):
+        length.record(4, 0)  # the first guess missed each time
+    assert length.rate < 0.1
+    length.record(0, 0)  # nothing was proposed: nothing learned
+    assert length.rate < 0.1
+
+
+def _costs(seconds_by_rows: dict[int, float], rest: float = 0.0) -> StepCosts:
+    costs = StepCosts()
+    for rows, seconds in seconds_by_rows.items():
+        costs.record(rows, seconds, seconds + rest)
+    return costs
+
+
+def test_proposals_go_where_rows_are_cheap_and_guesses_land():
+    sure, unsure = DraftLength(rate=0.95), DraftLength(rate=0.2)
+    flat = _costs({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0})
+    assert plan_lengths([sure], [100], 1, 1, flat) == [MAX_PROPOSALS]  # rows cost nothing: propose all
+    linear = _costs({r: float(r) for r in range(1, 12)})
+    assert plan_lengths([sure], [100], 1, 1, linear) == [0]  # a row costs a step: nothing pays
+    # rows cost 10% each: the sure request gets guesses, the unsure one none
+    gentle = _costs({r: 1 + 0.1 * (r - 1) for r in range(1, 20)})
+    sure_k, unsure_k = plan_lengths([sure, unsure], [100, 100], 2, 2, gentle)
+    assert sure_k >= 4 and unsure_k == 0
+    # a jump at 5 rows (another kernel): three guesses, not one more
+    jump = _costs({1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 3.0, 6: 3.0, 7: 3.0, 8: 3.0, 9: 3.0})
+    assert plan_lengths([sure], [100], 1, 1, jump) == [3]
+
+
+def test_the_plan_keeps_rooms_fixed_lengths_and_unmeasured_rows():
+    sure = DraftLength(rate=0.95)
+    flat = _costs({1: 1.0, 2: 1.0})
+    assert plan_lengths([sure], [2], 1, 1, flat) == [2]  # max_tokens leaves room for two
+    assert plan_lengths([DraftLength(fixed=5)], [100], 1, 1, flat) == [5]  # the user's length
+    assert plan_lengths([DraftLength(fixed=5)], [3], 1, 1, flat) == [3]
+    assert plan_lengths([sure], [100], 1, 1, StepCosts()) == [MAX_PROPOSALS]  # nothing timed yet: try
+    # rows never measured are estimated at the largest measured below: tried, then known
+    assert plan_lengths([sure], [100], 1, 1, _costs({1: 1.0})) == [MAX_PROPOSALS]
+    # forced rows already in the step count as rows (they cost) and tokens (they land)
+    assert plan_lengths([sure], [100], 4, 4, _costs({r: float(r) for r in range(1, 12)})) == [0]
+
+
+def test_step_costs_estimate_rows_and_the_rest_of_a_step():
+    costs = _costs({1: 0.010, 4: 0.012}, rest=0.002)
+    assert costs.estimate(1) == pytest.approx(0.012) and costs.estimate(4) == pytest.approx(0.014)
+    assert costs.estimate(3) == pytest.approx(0.012)  # the most rows measured below
+    assert costs.estimate(6) == pytest.approx(0.014)
+    assert StepCosts().estimate(1) is None
 
 
 def test_the_spec_benchmark_runs():
@@ -258,13 +301,11 @@ def test_preemptions_and_aborts_in_the_middle_of_speculation_leave_nothing(tiny_
         assert not engine.draft_lengths and not engine.proposer.indexes
 
 
-def test_adaptive_lengths_stop_at_the_rows_one_kernel_pass_computes(tiny_model_dirs):
-    """Past 4 rows a request's check costs a second pass over the weights on the CPU kernels."""
-    from xlserve.kernels import cpu_ops
-    length = DraftLength(0, most=3)
-    length.mean_accepted = 7.0
-    assert length.next() == 3
-    assert DraftLength(5, most=3).next() == 5  # a fixed length is the user's
-    with LLM(tiny_model_dirs["llama"], dtype="float32", kv_cache_tokens=512) as llm:
-        expected = 3 if cpu_ops.kernels() is not None else DraftLength.MAX
-        assert llm.engine.runner.cheap_proposals() == expected
+def test_the_engine_times_its_decode_steps_by_rows(tiny_model_dirs):
+    """Decode steps (and only they) are timed for the planner, by the rows they computed."""
+    with LLM(tiny_model_dirs["llama"], dtype="float32", kv_cache_tokens=512, speculative="ngram") as llm:
+        llm.generate([[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]] * 2, SamplingParams(max_tokens=12, temperature=0,
+                                                                                  ignore_eos=True))
+        costs = llm.engine.step_costs
+        assert costs.forward and min(costs.forward) >= 2 and costs.rest is not None
+        assert all(seconds > 0 for seconds in costs.forward.values())

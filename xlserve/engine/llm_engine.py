@@ -32,7 +32,8 @@ from xlserve.parallel.pipeline_parallel import balanced_stages
 from xlserve.parallel.ranks import WorkerRanks, agree
 from xlserve.parallel.tensor_parallel import TensorParallel
 from xlserve.sampling_params import SamplingParams
-from xlserve.speculative.proposer import DraftLength, make_proposer
+from xlserve.speculative.draft_budget import DraftLength, StepCosts, plan_lengths
+from xlserve.speculative.proposer import make_proposer
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,8 @@ class LLMEngine:
         self.proposer = make_proposer(config, self.loaded)
         self.runner.keep_hidden = self.proposer is not None and self.proposer.wants_hidden
         self.draft_lengths: dict[str, DraftLength] = {}
+        self.step_costs = StepCosts()  # decode steps timed by rows: what a proposal's row costs here
+        self.forced_proposals: set[str] = set()  # requests whose pending proposal a grammar forced
         self.spec = SpeculationStats()
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else set()
         self._detokenizers: dict[str, Detokenizer | None] = {}
@@ -208,6 +211,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step. A failure that one request brings on ends that request (its
         output carries ``error``); only ``FATAL_ERRORS`` and broken engine state raise."""
+        step_started = time.monotonic()
         self.kv.expire_pins()
         outputs = self._refuse_overdue()
         sched_out = self.scheduler.schedule()
@@ -215,6 +219,7 @@ class LLMEngine:
             self.scheduler.wait_for_loads(0.01)  # only tier loads are pending: don't spin
         started = time.monotonic()
         runner_out = self._execute(sched_out)
+        forward_seconds = time.monotonic() - started
         if self.kv.tiers is not None:  # what computing a prompt token costs, against what loading it does
             prompt_tokens = sum(len(s.token_ids) for s in sched_out.scheduled if len(s.token_ids) > 1)
             self.kv.tiers.costs.computed(prompt_tokens, time.monotonic() - started)
@@ -235,35 +240,55 @@ class LLMEngine:
                 continue
             outputs.append(self._output(req, new_text, req.output_token_ids[-count:]))
         self._propose()
+        self._time_decode_step(sched_out, forward_seconds, time.monotonic() - step_started)
         return outputs
+
+    def _time_decode_step(self, sched_out: SchedulerOutput, forward_seconds: float, step_seconds: float) -> None:
+        """A step whose every request decoded (one row each, plus its checked proposals) is what
+        the proposal planner weighs: its seconds by the rows it computed."""
+        scheduled = sched_out.scheduled
+        if self.proposer is not None and scheduled and all(
+                len(s.token_ids) == 1 + s.num_proposed and s.sample for s in scheduled):
+            self.step_costs.record(sum(len(s.token_ids) for s in scheduled), forward_seconds, step_seconds)
 
     # -- speculative decoding ------------------------------------------------------
     def _propose(self) -> None:
         """Proposals for the running requests whose known tokens are all computed but the
         last (they decode): checked in the next step. Where a grammar forces the next tokens
-        (a tool call's envelope, a schema's keys), those are the proposal."""
+        (a tool call's envelope, a schema's keys), those are the proposal; the others get
+        what ``plan_lengths`` gives them."""
         if self.proposer is None:
             return
-        asks, requests = [], []
+        fixed = self.config.speculative.num_speculative_tokens
+        lengths, rooms, requests, rows = [], [], [], 0
         for req in self.scheduler.running:
             params = req.params
             if req.num_computed_tokens != req.num_tokens - 1:
                 continue
-            length = self.draft_lengths.get(req.request_id)
-            if length is None:  # once per request, not every step
-                length = self.draft_lengths[req.request_id] = DraftLength(
-                    self.config.speculative.num_speculative_tokens, self.runner.cheap_proposals())
-            room = min(length.next(), params.max_tokens - req.num_output_tokens - 1,
-                       self.max_model_len - req.num_tokens - 1)
+            rows += 1
+            room = min(params.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
             if req.pause_after is not None:
                 room = min(room, req.pause_after - req.num_output_tokens - 1)
+            if room <= 0:
+                continue
             forced = self.runner.forced_tokens(req.request_id) if params.guided is not None else []
-            if forced and room > 0:
-                req.spec_token_ids = forced[:room]
-            elif room > 0:
-                asks.append((req.request_id, req.all_token_ids, room))
-                requests.append(req)
-        for req, proposed in zip(requests, self.proposer.propose_all(asks)):
+            if forced:  # they land for sure: guesses of rate 1, planned like the others
+                lengths.append(DraftLength(fixed, rate=1.0, most=len(forced)))
+                rooms.append(min(room, len(forced)))
+            else:
+                lengths.append(self.draft_lengths.setdefault(req.request_id, DraftLength(fixed)))
+                rooms.append(room)
+            requests.append((req, forced))
+        planned = plan_lengths(lengths, rooms, rows, rows, self.step_costs)
+        asks, self.forced_proposals = [], set()
+        for (req, forced), k in zip(requests, planned):
+            if forced:
+                req.spec_token_ids = forced[:k]
+                self.forced_proposals.add(req.request_id)
+            elif k > 0:
+                asks.append((req, k))
+        proposals = self.proposer.propose_all([(req.request_id, req.all_token_ids, k) for req, k in asks])
+        for (req, _), proposed in zip(asks, proposals):
             req.spec_token_ids = proposed
 
     def _record_speculation(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> None:
@@ -272,7 +297,8 @@ class LLMEngine:
             if s.num_proposed and s.request_id in runner_out.sampled:
                 accepted = len(runner_out.sampled[s.request_id]) - 1
                 self.spec.record(s.num_proposed, accepted)
-                if (length := self.draft_lengths.get(s.request_id)) is not None:
+                length = self.draft_lengths.get(s.request_id)
+                if length is not None and s.request_id not in self.forced_proposals:  # a grammar's always land
                     length.record(s.num_proposed, accepted)
 
     def _observe(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> None:

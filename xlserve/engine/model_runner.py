@@ -26,7 +26,6 @@ from xlserve.models.arch import FEATURES
 from xlserve.parallel import pipeline_parallel, tensor_parallel
 from xlserve.parallel.pipeline_parallel import micro_batches
 from xlserve.parallel.ranks import out_of_step
-from xlserve.speculative.proposer import DraftLength
 from xlserve.speculative.verifier import verify
 
 
@@ -114,13 +113,6 @@ class ModelRunner:
         return (self.tp.size == 1 and self.stage.count == 1 and self.device.type == "cpu" and fits is not None
                 and self.dtype in (torch.bfloat16, torch.float32)
                 and portable_library.kernels() is not None and fits())
-
-    def cheap_proposals(self) -> int:
-        """The most proposals an adaptive length checks per request: with the AVX-512 kernels,
-        a request's rows up to ``cpu_ops.LINEAR_MAX_ROWS`` (4) cost one pass over the weights
-        (bf16 row kernel, quantized register path; 5 rows cost 2.5x one row), so 3; elsewhere
-        ``DraftLength.MAX``."""
-        return cpu_ops.LINEAR_MAX_ROWS - 1 if self._kernels_apply() else DraftLength.MAX
 
     def _contiguous_start(self, block_ids: list[int], tokens: int) -> int | None:
         """First slot of the first ``tokens`` positions when they lie in consecutive blocks

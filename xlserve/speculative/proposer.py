@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the router imports this module and never loads torch
@@ -69,22 +68,3 @@ def make_proposer(config, loaded) -> Proposer | None:
         return None
     module, cls = PROPOSERS[name]
     return getattr(importlib.import_module(module), cls).create(config, loaded)
-
-
-@dataclass
-class DraftLength:
-    """How many tokens to propose for one request next: fixed (``--num-speculative-tokens``),
-    or adaptive — one more than the recent mean of accepted drafts, so a request whose
-    guesses keep landing gets longer ones and one whose guesses miss costs little."""
-    fixed: int = 0
-    most: int = 8  # the adaptive length's cap (``ModelRunner.cheap_proposals``)
-    mean_accepted: float = 2.0  # a start that proposes 3: below, a miss is cheap; above, a hit pays
-    MAX = 8
-    DECAY = 0.5  # weight of the latest step: acceptance shifts within a tool call's few tokens
-
-    def next(self) -> int:
-        return self.fixed or max(1, min(self.most, round(self.mean_accepted) + 1))
-
-    def record(self, proposed: int, accepted: int) -> None:
-        if proposed:
-            self.mean_accepted += self.DECAY * (accepted - self.mean_accepted)
