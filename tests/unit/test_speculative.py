@@ -252,12 +252,28 @@ def test_the_plan_keeps_rooms_fixed_lengths_and_unmeasured_rows():
     assert plan_lengths([sure], [100], 4, 4, _costs({r: float(r) for r in range(1, 12)})) == [0]
 
 
+def test_a_proposer_that_costs_per_guess_guesses_less_deep():
+    sure = DraftLength(rate=0.9)
+    flat = _costs({1: 1.0, 8: 1.0})
+    assert plan_lengths([sure], [100], 1, 1, flat) == [MAX_PROPOSALS]
+    for depth in range(1, MAX_PROPOSALS + 1):  # each guess depth costs a quarter step
+        flat.record(1, 1.0, 1.0 + 0.25 * depth, propose_seconds=0.25 * depth, depth=depth)
+    k = plan_lengths([sure], [100], 1, 1, flat)[0]
+    assert 0 < k < MAX_PROPOSALS
+    # a grammar's forced tokens run no proposer: all of them still go
+    assert plan_lengths([DraftLength(rate=1.0, most=12, forced=True)], [12], 1, 1, flat) == [12]
+
+
 def test_step_costs_estimate_rows_and_the_rest_of_a_step():
     costs = _costs({1: 0.010, 4: 0.012}, rest=0.002)
     assert costs.estimate(1) == pytest.approx(0.012) and costs.estimate(4) == pytest.approx(0.014)
     assert costs.estimate(3) == pytest.approx(0.012)  # the most rows measured below
     assert costs.estimate(6) == pytest.approx(0.014)
     assert StepCosts().estimate(1) is None
+    costs.record(1, 0.010, 0.015, propose_seconds=0.003, depth=3)
+    assert costs.estimate(1, depth=3) == pytest.approx(costs.estimate(1) + 0.003)
+    assert costs.estimate(1, depth=5) == costs.estimate(1, depth=3)  # the deepest measured below
+    assert costs.estimate(1, depth=1) == costs.estimate(1, depth=3)  # none below: the cheapest known
 
 
 def test_the_spec_benchmark_runs():

@@ -120,6 +120,7 @@ class LLMEngine:
         self.draft_lengths: dict[str, DraftLength] = {}
         self.step_costs = StepCosts()  # decode steps timed by rows: what a proposal's row costs here
         self.forced_proposals: set[str] = set()  # requests whose pending proposal a grammar forced
+        self.last_proposing = (0.0, 0)  # the last step's proposer seconds and guess depth
         self.spec = SpeculationStats()
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else set()
         self._detokenizers: dict[str, Detokenizer | None] = {}
@@ -249,7 +250,8 @@ class LLMEngine:
         scheduled = sched_out.scheduled
         if self.proposer is not None and scheduled and all(
                 len(s.token_ids) == 1 + s.num_proposed and s.sample for s in scheduled):
-            self.step_costs.record(sum(len(s.token_ids) for s in scheduled), forward_seconds, step_seconds)
+            self.step_costs.record(sum(len(s.token_ids) for s in scheduled), forward_seconds, step_seconds,
+                                   *self.last_proposing)
 
     # -- speculative decoding ------------------------------------------------------
     def _propose(self) -> None:
@@ -273,7 +275,7 @@ class LLMEngine:
                 continue
             forced = self.runner.forced_tokens(req.request_id) if params.guided is not None else []
             if forced:  # they land for sure: guesses of rate 1, planned like the others
-                lengths.append(DraftLength(fixed, rate=1.0, most=len(forced)))
+                lengths.append(DraftLength(fixed, rate=1.0, most=len(forced), forced=True))
                 rooms.append(min(room, len(forced)))
             else:
                 lengths.append(self.draft_lengths.setdefault(req.request_id, DraftLength(fixed)))
@@ -287,7 +289,9 @@ class LLMEngine:
                 self.forced_proposals.add(req.request_id)
             elif k > 0:
                 asks.append((req, k))
+        started = time.monotonic()
         proposals = self.proposer.propose_all([(req.request_id, req.all_token_ids, k) for req, k in asks])
+        self.last_proposing = (time.monotonic() - started, max((k for _, k in asks), default=0))
         for (req, _), proposed in zip(asks, proposals):
             req.spec_token_ids = proposed
 

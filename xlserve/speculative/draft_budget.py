@@ -12,9 +12,8 @@ step's expected tokens per second grow (``plan_lengths``).
 Acceptance is modelled per request as geometric: each guess lands with probability ``rate``
 once the ones before it did (``DraftLength.rate``, learned from every checked proposal: a
 tool call's envelope lands nearly always, free text's words seldom), so k guesses are
-expected to yield rate + rate^2 + ... + rate^k tokens. The proposer's own time counts as
-part of a step's fixed cost (cheap for ``ngram`` and ``suffix``; a draft model's per-guess
-forward is not modelled).
+expected to yield rate + rate^2 + ... + rate^k tokens; guessing deeper also costs the
+proposer's time (an EAGLE head's or a draft model's forward per depth).
 """
 
 from __future__ import annotations
@@ -33,7 +32,8 @@ class DraftLength:
     each step from its acceptance ``rate``."""
     fixed: int = 0
     rate: float = START_RATE
-    most: int = MAX_PROPOSALS  # a grammar's forced tokens (rate 1) may all go at once
+    most: int = MAX_PROPOSALS
+    forced: bool = False  # a grammar's forced tokens: rate 1, all may go at once, no proposer runs
 
     def record(self, proposed: int, accepted: int) -> None:
         """A checked proposal: guesses 1..accepted landed, the next one (if any) missed."""
@@ -47,28 +47,40 @@ class DraftLength:
 
 @dataclass
 class StepCosts:
-    """Seconds of this engine's decode steps: the forward pass by the rows it computed (an
-    exponential mean per row count) plus the rest of a step (scheduling, sampling's
-    bookkeeping, detokenizing, proposing), which does not depend on the rows. A row count
-    never measured is estimated at the most rows measured below it (optimistic: the planner
-    tries it once, then knows)."""
+    """Seconds of this engine's decode steps, in three parts: the forward pass by the rows it
+    computed; the proposer's time by the depth it guessed to (a model-based proposer catches
+    up on the confirmed tokens, then runs its head or draft once per depth for every request
+    at once; for ``ngram`` and ``suffix`` it is a lookup); and the rest of a step
+    (scheduling, sampling's bookkeeping, detokenizing), which depends on neither. Each is an
+    exponential mean per row count or depth; one never measured is estimated at the most
+    measured below it (optimistic: the planner tries it once, then knows)."""
     forward: dict[int, float] = field(default_factory=dict)
+    proposing: dict[int, float] = field(default_factory=dict)
     rest: float | None = None
     DECAY = 0.2
 
-    def record(self, rows: int, forward_seconds: float, step_seconds: float) -> None:
+    def record(self, rows: int, forward_seconds: float, step_seconds: float, propose_seconds: float = 0.0,
+               depth: int = 0) -> None:
         self.forward[rows] = self._mean(self.forward.get(rows), forward_seconds)
-        self.rest = self._mean(self.rest, max(0.0, step_seconds - forward_seconds))
+        if depth:
+            self.proposing[depth] = self._mean(self.proposing.get(depth), propose_seconds)
+        self.rest = self._mean(self.rest, max(0.0, step_seconds - forward_seconds - propose_seconds))
 
     def _mean(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.DECAY * (new - old)
 
-    def estimate(self, rows: int) -> float | None:
-        """The expected seconds of a decode step of ``rows``; None before one was measured."""
+    @staticmethod
+    def _at(table: dict[int, float], key: int) -> float:
+        below = [k for k in table if k <= key]
+        return table[max(below)] if below else min(table.values())
+
+    def estimate(self, rows: int, depth: int = 0) -> float | None:
+        """The expected seconds of a decode step of ``rows`` whose proposals were guessed
+        ``depth`` deep; None before one was measured."""
         if not self.forward:
             return None
-        below = [r for r in self.forward if r <= rows]
-        return (self.rest or 0.0) + (self.forward[max(below)] if below else min(self.forward.values()))
+        proposing = self._at(self.proposing, depth) if depth and self.proposing else 0.0
+        return (self.rest or 0.0) + self._at(self.forward, rows) + proposing
 
 
 def plan_lengths(lengths: list[DraftLength], rooms: list[int], base_rows: int, base_tokens: float,
@@ -89,7 +101,8 @@ def plan_lengths(lengths: list[DraftLength], rooms: list[int], base_rows: int, b
         return planned
     rows = base_rows + sum(planned)
     tokens = base_tokens + sum(lengths[i].gain(k) for i, n in enumerate(planned) for k in range(1, n + 1))
-    best, best_count, added = tokens / costs.estimate(rows), 0, []
+    depth = max([n for n, length in zip(planned, lengths) if not length.forced], default=0)
+    best, best_count, added = tokens / costs.estimate(rows, depth), 0, []
     heap = [(-lengths[i].gain(1), i) for i in adaptive]
     heapq.heapify(heap)
     count = [0] * len(lengths)
@@ -98,8 +111,9 @@ def plan_lengths(lengths: list[DraftLength], rooms: list[int], base_rows: int, b
         added.append(i)
         count[i] += 1
         rows, tokens = rows + 1, tokens - gain
-        if tokens / costs.estimate(rows) > best:
-            best, best_count = tokens / costs.estimate(rows), len(added)
+        depth = depth if lengths[i].forced else max(depth, count[i])
+        if tokens / costs.estimate(rows, depth) > best:
+            best, best_count = tokens / costs.estimate(rows, depth), len(added)
         if count[i] < min(rooms[i], lengths[i].most):
             heapq.heappush(heap, (-lengths[i].gain(count[i] + 1), i))
     for i in added[:best_count]:
