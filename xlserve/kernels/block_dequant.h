@@ -159,6 +159,27 @@ static void block_q4_k_vec(const uint8_t* restrict b, float* restrict y) {
   }
 }
 
+/* Q5_K: Q4_K's sub-blocks with a fifth bit (bit j of qh) over a 32-value table (vpermt2ps). */
+static void block_q5_k_vec(const uint8_t* restrict b, float* restrict y) {
+  const float d = half(b), dmin = half(b + 2);
+  uint8_t sc[8], mn[8];
+  scale_min_k4(b + 4, sc, mn);
+  const __m512i low4 = _mm512_set1_epi32(15), one = _mm512_set1_epi32(1);
+  const __m512i qh[2] = {_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + 16))),
+                         _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + 32)))};
+  for (int j = 0; j < 8; ++j) {
+    const vf ds = vset1(d * (float)sc[j]), dm = vset1(dmin * (float)mn[j]);
+    const vf low = vsub(vmul(ds, nibble_values()), dm);
+    const vf high = vsub(vmul(ds, vadd(nibble_values(), vset1(16.0f))), dm);
+    for (int half16 = 0; half16 < 2; ++half16) {
+      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + 48 + 32 * (j / 2) + 16 * half16)));
+      const __m512i v = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(q, 4 * (j & 1)), low4),
+                                        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh[half16], j), one), 4));
+      vstore(y + 32 * j + 16 * half16, _mm512_permutex2var_ps(low, v, high));
+    }
+  }
+}
+
 /* Q6_K (layout at block_q6_k), 16 values at a time in int32 lanes. */
 static void block_q6_k_vec(const uint8_t* restrict b, float* restrict y) {
   const float d = half(b + 208);

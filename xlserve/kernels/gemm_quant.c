@@ -54,16 +54,18 @@ typedef struct {
 } block_kind;
 #if defined(__AVX512F__)
 /* the same values by vector code: the K-quants have no register path, so a decode row of a
- * Q4_K / Q6_K weight dequantizes each super-block into the tile buffer */
+ * K-quant weight dequantizes each super-block into the tile buffer */
 #define BLOCK_Q4_K block_q4_k_vec
+#define BLOCK_Q5_K block_q5_k_vec
 #define BLOCK_Q6_K block_q6_k_vec
 #else
 #define BLOCK_Q4_K block_q4_k
+#define BLOCK_Q5_K block_q5_k
 #define BLOCK_Q6_K block_q6_k
 #endif
 static const block_kind KINDS[] = {
     {Q8_0, 32, 34, block_q8_0}, {Q4_0, 32, 18, block_q4_0},   {Q4_1, 32, 20, block_q4_1},
-    {Q4_K, 256, 144, BLOCK_Q4_K}, {Q5_K, 256, 176, block_q5_k}, {Q6_K, 256, 210, BLOCK_Q6_K},
+    {Q4_K, 256, 144, BLOCK_Q4_K}, {Q5_K, 256, 176, BLOCK_Q5_K}, {Q6_K, 256, 210, BLOCK_Q6_K},
 };
 
 static const block_kind* kind_of(int type) {
