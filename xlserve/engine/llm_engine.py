@@ -120,7 +120,6 @@ class LLMEngine:
         self.draft_lengths: dict[str, DraftLength] = {}
         self.step_costs = StepCosts()  # decode steps timed by rows: what a proposal's row costs here
         self.forced_proposals: set[str] = set()  # requests whose pending proposal a grammar forced
-        self.last_proposing = (0.0, 0)  # the last step's proposer seconds and guess depth
         self.spec = SpeculationStats()
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else set()
         self._detokenizers: dict[str, Detokenizer | None] = {}
@@ -240,27 +239,28 @@ class LLMEngine:
                 outputs.append(self._fail(req.request_id, f"detokenizing failed: {describe(e)}"))
                 continue
             outputs.append(self._output(req, new_text, req.output_token_ids[-count:]))
-        self._propose()
-        self._time_decode_step(sched_out, forward_seconds, time.monotonic() - step_started)
+        proposing = self._propose()
+        self._time_decode_step(sched_out, forward_seconds, time.monotonic() - step_started, proposing)
         return outputs
 
-    def _time_decode_step(self, sched_out: SchedulerOutput, forward_seconds: float, step_seconds: float) -> None:
+    def _time_decode_step(self, sched_out: SchedulerOutput, forward_seconds: float, step_seconds: float,
+                          proposing: tuple[float, int]) -> None:
         """A step whose every request decoded (one row each, plus its checked proposals) is what
         the proposal planner weighs: its seconds by the rows it computed."""
         scheduled = sched_out.scheduled
         if self.proposer is not None and scheduled and all(
                 len(s.token_ids) == 1 + s.num_proposed and s.sample for s in scheduled):
             self.step_costs.record(sum(len(s.token_ids) for s in scheduled), forward_seconds, step_seconds,
-                                   *self.last_proposing)
+                                   *proposing)
 
     # -- speculative decoding ------------------------------------------------------
-    def _propose(self) -> None:
+    def _propose(self) -> tuple[float, int]:
         """Proposals for the running requests whose known tokens are all computed but the
         last (they decode): checked in the next step. Where a grammar forces the next tokens
         (a tool call's envelope, a schema's keys), those are the proposal; the others get
-        what ``plan_lengths`` gives them."""
+        what ``plan_lengths`` gives them. Returns the proposer's seconds and guess depth."""
         if self.proposer is None:
-            return
+            return 0.0, 0
         fixed = self.config.speculative.num_speculative_tokens
         lengths, rooms, requests, rows = [], [], [], 0
         for req in self.scheduler.running:
@@ -291,9 +291,9 @@ class LLMEngine:
                 asks.append((req, k))
         started = time.monotonic()
         proposals = self.proposer.propose_all([(req.request_id, req.all_token_ids, k) for req, k in asks])
-        self.last_proposing = (time.monotonic() - started, max((k for _, k in asks), default=0))
         for (req, _), proposed in zip(asks, proposals):
             req.spec_token_ids = proposed
+        return time.monotonic() - started, max((k for _, k in asks), default=0)
 
     def _record_speculation(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> None:
         """Each checked proposal's fate (for adaptive lengths and the metrics)."""

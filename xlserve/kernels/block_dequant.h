@@ -1,6 +1,7 @@
 /* The block formats dequantized, bit-exact with gguf-py and ggml (the same fp32 products and
  * sums in the same order; built with -ffp-contract=off): a block into memory (block_*),
- * and a 32-value block into vectors for the register path (regs_*). For gemm_quant.c. */
+ * and a 32-value block into vectors for the register path (regs_*; block_*_regs stores those
+ * for the 32-value formats). For gemm_quant.c. */
 #ifndef XLSERVE_BLOCK_DEQUANT_H
 #define XLSERVE_BLOCK_DEQUANT_H
 #include <stdint.h>
@@ -25,28 +26,6 @@ static inline void i8_lanes(__m128i b, vf* out) {
   out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
 }
 #endif
-
-static void block_q8_0(const uint8_t* restrict b, float* restrict y) { /* d, 32 x int8 */
-  const float d = half(b);
-  for (int j = 0; j < 32; ++j) y[j] = d * (float)(int8_t)b[2 + j];
-}
-
-/* d, 16 bytes: low nibbles are values 0..15, high nibbles 16..31 */
-static void block_q4_0(const uint8_t* restrict b, float* restrict y) {
-  const float d = half(b);
-  for (int j = 0; j < 16; ++j) {
-    y[j] = d * (float)((b[2 + j] & 15) - 8);
-    y[j + 16] = d * (float)((b[2 + j] >> 4) - 8);
-  }
-}
-
-static void block_q4_1(const uint8_t* restrict b, float* restrict y) { /* d, min, 16 bytes of nibbles */
-  const float d = half(b), m = half(b + 2);
-  for (int j = 0; j < 16; ++j) {
-    y[j] = d * (float)(b[4 + j] & 15) + m;
-    y[j + 16] = d * (float)(b[4 + j] >> 4) + m;
-  }
-}
 
 /* The eight 6-bit scales and mins of a K-quant super-block (12 bytes). */
 static void scale_min_k4(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
@@ -104,8 +83,9 @@ static void block_q6_k(const uint8_t* restrict b, float* restrict y) {
   }
 }
 
-/* A 32-value block dequantized into VPB vectors, the same values as block_* computes (the
- * same fp32 products and sums): the weight never goes through memory as floats. */
+/* A 32-value block dequantized into VPB vectors: Q8_0 d * q, Q4_0 d * (q - 8), Q4_1 d * q + m,
+ * each value with the reference's fp32 operations; the register path multiplies them where
+ * they are, and block_*_regs (below) stores them for the tile buffer and row lookups. */
 static inline void regs_q8_0(const uint8_t* b, vf* w) {
   const vf d = vset1(half(b));
   i8_lanes(_mm_loadu_si128((const __m128i*)(b + 2)), w);
@@ -139,22 +119,38 @@ static inline void regs_q4_1(const uint8_t* b, vf* w) {
   nibble_lookup(b + 4, vadd(vmul(vset1(half(b)), nibble_values()), vset1(half(b + 2))), w);
 }
 
-/* Q4_K: each sub-block j's 16 values ds_j * v - dm_j as one vector, picked by nibble; the two
- * sub-blocks of a pair read the same 32 bytes (low nibbles, then high). The default model's
- * gate/up shape at K 1536 (34560 x 1536 Q4_K, 2-core Zen 4), one row: 10.35 ms with the scalar
- * loop, see the commit. */
+/* Q4_K sub-block j's 16 possible values, ds_j * v - dm_j (the reference's operations). */
+static inline vf q4_k_table(float d, float dmin, const uint8_t* sc, const uint8_t* mn, int j) {
+  return vsub(vmul(vset1(d * (float)sc[j]), nibble_values()), vset1(dmin * (float)mn[j]));
+}
+
+/* The 32 bytes that Q4_K sub-blocks 2p and 2p+1 of super-block ``b`` share (low nibbles for
+ * the even one, high for the odd), widened to two int32 vectors. */
+static inline void q4_k_bytes(const uint8_t* b, int p, __m512i* nibbles) {
+  nibbles[0] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + 16 + 32 * p)));
+  nibbles[1] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + 32 + 32 * p)));
+}
+
+/* One of those sub-blocks (``odd``) into two vectors, from its ``table``. */
+static inline void q4_k_sub(const __m512i* nibbles, int odd, vf table, vf* w) {
+  for (int v = 0; v < 2; ++v)
+    w[v] = _mm512_permutexvar_ps(odd ? _mm512_srli_epi32(nibbles[v], 4) : nibbles[v], table);
+}
+
+/* Q4_K into memory by the lookup. The default model's gate/up shape at K 1536 (34560 x 1536
+ * Q4_K, 2-core Zen 4), one row: 10.35 ms with the scalar loop, see the commit. */
 static void block_q4_k_vec(const uint8_t* restrict b, float* restrict y) {
   const float d = half(b), dmin = half(b + 2);
   uint8_t sc[8], mn[8];
   scale_min_k4(b + 4, sc, mn);
   for (int p = 0; p < 4; ++p) {
-    const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + 16 + 32 * p)));
-    const __m512i hi = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + 32 + 32 * p)));
+    __m512i nibbles[2];
+    q4_k_bytes(b, p, nibbles);
     for (int odd = 0; odd < 2; ++odd) {
-      const int j = 2 * p + odd;
-      const vf table = vsub(vmul(vset1(d * (float)sc[j]), nibble_values()), vset1(dmin * (float)mn[j]));
-      vstore(y + 32 * j, _mm512_permutexvar_ps(odd ? _mm512_srli_epi32(lo, 4) : lo, table));
-      vstore(y + 32 * j + 16, _mm512_permutexvar_ps(odd ? _mm512_srli_epi32(hi, 4) : hi, table));
+      vf w[2];
+      q4_k_sub(nibbles, odd, q4_k_table(d, dmin, sc, mn, 2 * p + odd), w);
+      vstore(y + 32 * (2 * p + odd), w[0]);
+      vstore(y + 32 * (2 * p + odd) + 16, w[1]);
     }
   }
 }
@@ -216,5 +212,14 @@ static inline void regs_q4_1(const uint8_t* b, vf* w) {
 }
 
 #endif
+
+/* The 32-value formats into memory through their register dequantization. */
+#define BLOCK_BY_REGS(T)                                                              \
+  static void block_##T##_regs(const uint8_t* restrict b, float* restrict y) {        \
+    vf w[VPB];                                                                        \
+    regs_##T(b, w);                                                                   \
+    for (int v = 0; v < VPB; ++v) vstore(y + v * VW, w[v]);                           \
+  }
+BLOCK_BY_REGS(q8_0) BLOCK_BY_REGS(q4_0) BLOCK_BY_REGS(q4_1)
 
 #endif

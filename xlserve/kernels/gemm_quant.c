@@ -47,26 +47,37 @@
 #define REGS_PATH_ROWS (2 * REGS_MAX_ROWS)
 
 
-typedef void (*block_fn)(const uint8_t*, float*);
+/* ``streamed``: the row is one of a weight read front to back (a matmul's tile), so the bytes
+ * ahead are the next rows' and worth prefetching; an embedding lookup's rows are not. */
+typedef void (*row_fn)(const uint8_t* row, int64_t K, float* y, int streamed);
 typedef struct {
   int type, values, bytes;
-  block_fn fn;
+  row_fn dequant_row; /* one function per format, each block a direct call */
 } block_kind;
+
 #if defined(__AVX512F__)
-/* the same values by vector code: the K-quants have no register path, so a decode row of a
- * K-quant weight dequantizes each super-block into the tile buffer */
-#define BLOCK_Q4_K block_q4_k_vec
-#define BLOCK_Q5_K block_q5_k_vec
-#define BLOCK_Q6_K block_q6_k_vec
+/* the K-quants by vector code: they have no register path (Q4_K past 3 rows), so a decode
+ * row of a K-quant weight dequantizes each super-block into the tile buffer */
+#define FORMATS(X)                                                                             \
+  X(q8_0, Q8_0, 32, 34, block_q8_0_regs) X(q4_0, Q4_0, 32, 18, block_q4_0_regs)              \
+  X(q4_1, Q4_1, 32, 20, block_q4_1_regs) X(q4_k, Q4_K, 256, 144, block_q4_k_vec)             \
+  X(q5_k, Q5_K, 256, 176, block_q5_k_vec) X(q6_k, Q6_K, 256, 210, block_q6_k_vec)
 #else
-#define BLOCK_Q4_K block_q4_k
-#define BLOCK_Q5_K block_q5_k
-#define BLOCK_Q6_K block_q6_k
+#define FORMATS(X)                                                                             \
+  X(q8_0, Q8_0, 32, 34, block_q8_0_regs) X(q4_0, Q4_0, 32, 18, block_q4_0_regs)              \
+  X(q4_1, Q4_1, 32, 20, block_q4_1_regs) X(q4_k, Q4_K, 256, 144, block_q4_k)                 \
+  X(q5_k, Q5_K, 256, 176, block_q5_k) X(q6_k, Q6_K, 256, 210, block_q6_k)
 #endif
-static const block_kind KINDS[] = {
-    {Q8_0, 32, 34, block_q8_0}, {Q4_0, 32, 18, block_q4_0},   {Q4_1, 32, 20, block_q4_1},
-    {Q4_K, 256, 144, BLOCK_Q4_K}, {Q5_K, 256, 176, BLOCK_Q5_K}, {Q6_K, 256, 210, BLOCK_Q6_K},
-};
+#define ROW_FN(T, TYPE, VALUES, BYTES, BLOCK)                                                  \
+  static void row_##T(const uint8_t* row, int64_t K, float* y, int streamed) {                \
+    for (int64_t i = 0; i < K / VALUES; ++i) {                                                 \
+      if (streamed) prefetch_ahead(row + i * BYTES);                                           \
+      BLOCK(row + i * BYTES, y + i * VALUES);                                                  \
+    }                                                                                          \
+  }
+#define KIND(T, TYPE, VALUES, BYTES, BLOCK) {TYPE, VALUES, BYTES, row_##T},
+FORMATS(ROW_FN)
+static const block_kind KINDS[] = {FORMATS(KIND)};
 
 static const block_kind* kind_of(int type) {
   for (unsigned i = 0; i < sizeof(KINDS) / sizeof(KINDS[0]); ++i)
@@ -74,21 +85,12 @@ static const block_kind* kind_of(int type) {
   return NULL;
 }
 
-/* ``streamed``: the row is one of a weight read front to back (a matmul's tile), so the bytes
- * ahead are the next rows' and worth prefetching; an embedding lookup's rows are not. */
-static void dequant_row(const block_kind* k, const uint8_t* row, int64_t K, float* y, int streamed) {
-  for (int64_t i = 0; i < K / k->values; ++i) {
-    if (streamed) prefetch_ahead(row + i * k->bytes);
-    k->fn(row + i * k->bytes, y + i * k->values);
-  }
-}
-
 /* out[n, :] = dequant(w row ids[n]) for n < count: an embedding lookup. */
 void xl_dequant_rows(int type, const uint8_t* w, int64_t row_bytes, const int64_t* ids, int64_t count, int64_t K,
                      float* out, int threads) {
   const block_kind* k = kind_of(type);
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t n = 0; n < count; ++n) dequant_row(k, w + ids[n] * row_bytes, K, out + n * K, 0);
+  for (int64_t n = 0; n < count; ++n) k->dequant_row(w + ids[n] * row_bytes, K, out + n * K, 0);
 }
 
 /* MR activation rows against NR dequantized weight rows ``w`` (row stride K). */
@@ -177,7 +179,8 @@ REGS_TYPE(q8_0) REGS_TYPE(q4_0) REGS_TYPE(q4_1)
 #if defined(__AVX512F__)
 /* Q4_K in registers: per super-block and weight row the 8 sub-blocks' scales are decoded once
  * (scale_min_k4), then each sub-block is Q4_1's lookup against the MR rows. The same values
- * in the same order as the buffer path (block_q4_k_vec, then micro_MR): identical bits. */
+ * in the same order as the buffer path (block_q4_k_vec, then micro_MR): identical bits. (All
+ * four vectors of a pair of sub-blocks at once measured slower at 3 rows: 4.4 vs 3.3 ms.) */
 #define REGS_K_MICRO(MR, NW)                                                                      \
   static void regs_q4_k_##MR(const uint8_t* w, int64_t row_bytes, int bytes, const float* x,      \
                              int64_t K, float* out, int64_t ldo, int rows) {                      \
@@ -192,18 +195,15 @@ REGS_TYPE(q8_0) REGS_TYPE(q4_0) REGS_TYPE(q4_1)
         scale_min_k4(b + 4, sc, mn);                                                              \
         const float d = half(b), dmin = half(b + 2);                                              \
         for (int p = 0; p < 4; ++p) {                                                             \
-          const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + 16 + 32 * p))); \
-          const __m512i hi = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + 32 + 32 * p))); \
+          __m512i nibbles[2];                                                                     \
+          q4_k_bytes(b, p, nibbles);                                                              \
           for (int odd = 0; odd < 2; ++odd) {                                                     \
-            const int j = 2 * p + odd;                                                            \
-            const vf table = vsub(vmul(vset1(d * (float)sc[j]), nibble_values()),                 \
-                                  vset1(dmin * (float)mn[j]));                                    \
-            const vf w0 = _mm512_permutexvar_ps(odd ? _mm512_srli_epi32(lo, 4) : lo, table);      \
-            const vf w1 = _mm512_permutexvar_ps(odd ? _mm512_srli_epi32(hi, 4) : hi, table);      \
-            const float* xk = x + sb * 256 + 32 * j;                                              \
+            vf wv[2];                                                                             \
+            q4_k_sub(nibbles, odd, q4_k_table(d, dmin, sc, mn, 2 * p + odd), wv);                 \
+            const float* xk = x + sb * 256 + 32 * (2 * p + odd);                                  \
             for (int m = 0; m < MR; ++m) {                                                        \
-              acc[m][r] = vfma(w0, vload(xk + m * K), acc[m][r]);                                 \
-              acc[m][r] = vfma(w1, vload(xk + m * K + 16), acc[m][r]);                            \
+              acc[m][r] = vfma(wv[0], vload(xk + m * K), acc[m][r]);                              \
+              acc[m][r] = vfma(wv[1], vload(xk + m * K + 16), acc[m][r]);                         \
             }                                                                                     \
           }                                                                                       \
         }                                                                                         \
@@ -212,10 +212,9 @@ REGS_TYPE(q8_0) REGS_TYPE(q4_0) REGS_TYPE(q4_1)
     for (int m = 0; m < MR; ++m)                                                                  \
       for (int r = 0; r < rows; ++r) out[m * ldo + r] = vsum(acc[m][r]);                          \
   }
-REGS_K_MICRO(1, NR) REGS_K_MICRO(2, NR) REGS_K_MICRO(3, NR) REGS_K_MICRO(4, NR)
-REGS_K_MICRO(5, NR / 2) REGS_K_MICRO(6, NR / 2) REGS_K_MICRO(7, NR / 2) REGS_K_MICRO(8, NR / 2)
-static const regs_fn REGS_q4_k[9] = {0, regs_q4_k_1, regs_q4_k_2, regs_q4_k_3, regs_q4_k_4,
-                                     regs_q4_k_5, regs_q4_k_6, regs_q4_k_7, regs_q4_k_8};
+REGS_K_MICRO(1, NR) REGS_K_MICRO(2, NR) REGS_K_MICRO(3, NR)
+/* 1-3 rows only (regs_rows): past them the buffer wins */
+static const regs_fn REGS_q4_k[9] = {0, regs_q4_k_1, regs_q4_k_2, regs_q4_k_3};
 #endif
 
 /* The register path for ``type`` and MR rows (1..WIDE_ROWS), or NULL (the buffer then: Q5_K and
@@ -229,22 +228,6 @@ static regs_fn regs_for(int type, int mr) {
     case Q4_K: return REGS_q4_k[mr];
 #endif
     default: return NULL;
-  }
-}
-
-/* A weight row into floats for the tile buffer with the register path's dequantization
- * (the same values as block_*; 32-value formats only). Against the scalar block loops, 30
- * layers of the gate/up shape on the Zen 4 took 12.0 ms instead of 16.3 at 16 rows, 19.7
- * instead of 23.5 at 32, 39.8 instead of 42.3 at 64. */
-static void dequant_row_vec(int type, const uint8_t* row, int bytes, int64_t K, float* y) {
-  for (int64_t i = 0; i < K / 32; ++i) {
-    const uint8_t* b = row + i * bytes;
-    prefetch_ahead(b);
-    vf w[VPB];
-    if (type == Q4_1) regs_q4_1(b, w);
-    else if (type == Q4_0) regs_q4_0(b, w);
-    else regs_q8_0(b, w);
-    for (int v = 0; v < VPB; ++v) vstore(y + i * 32 + v * VW, w[v]);
   }
 }
 
@@ -304,10 +287,7 @@ void xl_linear_quant(int type, const float* x, const uint8_t* w, int64_t row_byt
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t n0 = t * NR;
       const int rows = N - n0 < NR ? (int)(N - n0) : NR;
-      for (int r = 0; r < rows; ++r) {
-        if (kind->values == 32) dequant_row_vec(type, w + (n0 + r) * row_bytes, kind->bytes, K, buf + r * K);
-        else dequant_row(kind, w + (n0 + r) * row_bytes, K, buf + r * K, 1);
-      }
+      for (int r = 0; r < rows; ++r) kind->dequant_row(w + (n0 + r) * row_bytes, K, buf + r * K, 1);
       multiply_tile(buf, rows, x, M, K, out + n0, ldo);
     }
     free(buf);

@@ -112,8 +112,8 @@ def plan_lengths(lengths: list[DraftLength], rooms: list[int], base_rows: int, b
         count[i] += 1
         rows, tokens = rows + 1, tokens - gain
         depth = depth if lengths[i].forced else max(depth, count[i])
-        if tokens / costs.estimate(rows, depth) > best:
-            best, best_count = tokens / costs.estimate(rows, depth), len(added)
+        if (rate := tokens / costs.estimate(rows, depth)) > best:
+            best, best_count = rate, len(added)
         if count[i] < min(rooms[i], lengths[i].most):
             heapq.heappush(heap, (-lengths[i].gain(count[i] + 1), i))
     for i in added[:best_count]:
