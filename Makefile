@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install serve test test-peers clean
+.PHONY: install serve test test-peers fuzz clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -33,6 +33,12 @@ test-peers: install
 	$(PY) -m pip install -q -e '.[peers]'
 	$(PY) -m pytest -q tests/e2e/test_llama_server_backend.py tests/e2e/test_llama_cpp_numerics.py \
 		tests/e2e/test_peer_protocols.py tests/e2e/test_llama_cpp_peer.py $(PYTEST_ARGS)
+
+# The fuzz suite at length: schemathesis sends FUZZ_EXAMPLES cases per server and mode
+# (valid and invalid bodies) over every route of a worker and of `xlserve serve`.
+FUZZ_EXAMPLES ?= 1000
+fuzz: install
+	XLSERVE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q tests/e2e/test_fuzz.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

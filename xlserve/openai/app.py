@@ -14,6 +14,7 @@ import logging
 import time
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
@@ -25,6 +26,7 @@ from xlserve.openai.engine_client import EngineBusy, EngineDead, RequestFailed
 from xlserve.openai.errors import ApiError, error_body
 from xlserve.openai.event_stream import EventStreamResponse
 from xlserve.openai.http_edge import HostGuard, allowed_hosts, check_json_content_type
+from xlserve.openai.openapi_doc import document_body, openapi_document
 from xlserve.openai.pricing import PriceTable
 from xlserve.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from xlserve.openai.protocol_responses import ResponsesRequest
@@ -94,7 +96,7 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
     its session header there); ``response_headers()``: extra response headers (the router
     names the workers it routed to); ``dispatch(request, body, req, prepared, local)``: the
     router's choice of server for a parsed request, ``local()`` being this app's own path."""
-    app = FastAPI(title=title, docs_url=None, redoc_url=None)
+    app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)  # served below, behind the key
     logging.getLogger("xlserve.requests").disabled = not config.log_requests
     hosts = allowed_hosts(config.host, config.allowed_hosts)
     if hosts is not None:
@@ -141,7 +143,12 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
                                  ("/v1/responses", ResponsesRequest, responses),
                                  ("/tokenize", TokenizeRequest, tokens), ("/detokenize", DetokenizeRequest, tokens)):
         app.add_api_route(path, endpoint(model, handler), methods=["POST"], dependencies=api)
+        document_body(app, path, model)
     _add_response_store_routes(app, responses.store, api)
+
+    @app.get("/openapi.json", dependencies=api, include_in_schema=False)
+    async def openapi():
+        return JSONResponse(openapi_document(app))
     if internal:  # imported here: it needs torch (KV transfer), which the router never loads
         from xlserve.worker.internal import add_internal_routes
         app.state.disaggregation = add_internal_routes(app, state, config, key_check(internal_key), read_json)
@@ -193,6 +200,11 @@ def _add_error_handlers(app: FastAPI, state: WorkerState):
     async def _unexpected(request: Request, e: Exception):
         log.exception("unexpected error on %s", request.url.path)
         return error_response(500, f"internal error: {type(e).__name__}")
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, e: RequestValidationError):  # a query or path parameter of the wrong type
+        where = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()[:5])
+        return error_response(400, where or "invalid request")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_, e: StarletteHTTPException):

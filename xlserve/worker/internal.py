@@ -32,6 +32,7 @@ from xlserve.openai.choices import ChoiceRun, RequestRun, start_choices
 from xlserve.openai.engine_client import EngineBusy, RequestFailed
 from xlserve.openai.errors import ApiError, error_body
 from xlserve.openai.event_stream import EventStreamResponse
+from xlserve.openai.openapi_doc import document_body
 from xlserve.openai.serving_common import WorkerState, framed_sse, new_id, sse
 from xlserve.sampling_params import SamplingParams
 from xlserve.transfer.base import TransferError, transport
@@ -110,6 +111,9 @@ class Disaggregation:
 
 def add_internal_routes(app: FastAPI, state: WorkerState, config: ServerConfig, api, read_json) -> Disaggregation:
     disagg = Disaggregation(state, config)
+    for path, model in (("/internal/kv/peers", KVPeers), ("/internal/kv/release", KVRelease),
+                        ("/internal/generate", GenerateRequest)):
+        document_body(app, path, model)
 
     @app.get("/internal/info", dependencies=api)
     async def info():
