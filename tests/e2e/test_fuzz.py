@@ -82,6 +82,8 @@ HOSTILE = {
     "a huge max_tokens": json.dumps({**CHAT, "max_tokens": 10**18}).encode(),
     "a huge top_logprobs": json.dumps({**CHAT, "logprobs": True, "top_logprobs": 10**6}).encode(),
     "a number past float64": json.dumps(CHAT).replace('"max_tokens": 4', '"temperature": 1e999').encode(),
+    "a JSON schema that admits nothing": json.dumps({**CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}}).encode(),
 }
 
 

@@ -58,6 +58,16 @@ class GuidedDecoding:
             raise ValueError(f"the {spec.kind} constraint does not compile: {e}") from e
         if is_error:
             raise ValueError(f"the {spec.kind} constraint does not compile: {'; '.join(messages)}")
+        if spec.kind == "json_schema" and self._admits_only_the_end(grammar):
+            raise ValueError("the JSON schema admits no JSON value (a $ref cycle with no way out?)")
+
+    def _admits_only_the_end(self, grammar: str) -> bool:
+        """Whether nothing but end-of-sequence may come first: the answer would be empty.
+        A schema such as {"$ref": "#"} compiles, and then every request with it answered an
+        empty message (found by the fuzz suite)."""
+        from llguidance import LLMatcher
+        allowed = self.allowed(LLMatcher(self._ll_tokenizer(), grammar)).nonzero().flatten().tolist()
+        return set(allowed) <= set(self.tokenizer.eos_token_ids)
 
     def matcher(self, spec: GuidedSpec):
         from llguidance import LLMatcher
