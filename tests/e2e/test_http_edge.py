@@ -44,9 +44,11 @@ def test_the_router_wants_its_key_from_the_environment(edge):
     assert httpx.post(f"{router}/v1/chat/completions", json=CHAT).status_code == 401
     assert httpx.get(f"{router}/metrics").status_code == 401  # --metrics-need-key
     assert httpx.get(f"{router}/router/workers").status_code == 401
+    assert httpx.get(f"{router}/openapi.json").status_code == 401  # the document of the routes it guards
     auth = {"authorization": f"Bearer {KEY}"}
     assert httpx.post(f"{router}/v1/chat/completions", json=CHAT, headers=auth).status_code == 200
     assert httpx.get(f"{router}/metrics", headers=auth).status_code == 200
+    assert "/v1/chat/completions" in httpx.get(f"{router}/openapi.json", headers=auth).json()["paths"]
     assert httpx.get(f"{router}/health").status_code == 200  # liveness stays open
 
 
