@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_engine_args(p, name)
         add_config_args(p, ServerConfig, "server", command=name)
         if name == "serve":
-            add_config_args(p, SupervisorConfig, "supervision of the workers")
+            add_config_args(p, SupervisorConfig, "supervision of the router and workers")
             p.add_argument("--colocated", action="store_true",
                            help="one worker doing prefill and decode instead of router + prefill + decode")
         p.set_defaults(func=func)

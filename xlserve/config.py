@@ -341,13 +341,14 @@ def parse_peers(text: str) -> set[tuple[str, int]]:
 
 @dataclass(frozen=True)
 class SupervisorConfig:
-    """How ``xlserve serve`` keeps its workers alive."""
-    max_restarts: int = _opt(5, "Restarts allowed per worker within --restart-window; one more stops the "
-                             "whole stack with a non-zero exit.")
+    """How ``xlserve serve`` keeps its router and workers alive."""
+    max_restarts: int = _opt(5, "Restarts allowed per process (router or worker) within --restart-window; one "
+                             "more stops the whole stack with a non-zero exit.")
     restart_window: float = _opt(600.0, "Seconds over which --max-restarts is counted.")
-    unhealthy_restart: float = _opt(10.0, "Seconds a started worker may fail its /health check (hung engine, "
-                                    "stopped process) before it is killed and restarted.")
-    startup_timeout: float = _opt(600.0, "Seconds a worker may take to load its model and answer /health.")
+    unhealthy_restart: float = _opt(10.0, "Seconds a started router or worker may fail its /health check (hung "
+                                    "engine, stopped process) before it is killed and restarted.")
+    startup_timeout: float = _opt(600.0, "Seconds a router or worker may take to load its model and answer "
+                                  "/health.")
     max_backoff: float = _opt(30.0, "Longest wait before a restart (waits double from 0 s per recent restart).")
     check_interval: float = _opt(1.0, "Seconds between checks of every worker.")
 

@@ -1,7 +1,8 @@
-"""``xlserve serve``: the whole stack on one machine. By default a router plus one prefill
-and one decode worker, each its own process on 127.0.0.1; ``--colocated`` runs one
-worker instead. A supervisor restarts a worker that exits or stops answering (see
-``xlserve.supervisor``); Ctrl-C or SIGTERM stops every process.
+"""``xlserve serve``: the whole stack on one machine. By default a router, one prefill and
+one decode worker, each its own child process (the workers on 127.0.0.1); ``--colocated``
+runs one worker in this process instead. This process only supervises: it restarts any of
+the three that exits or stops answering (see ``xlserve.supervisor``), the router included,
+so a killed router is back on its port within seconds; Ctrl-C or SIGTERM stops every process.
 """
 
 from __future__ import annotations
@@ -10,16 +11,16 @@ import dataclasses
 import logging
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 
 from xlserve.cli_args import config_to_args
-from xlserve.config import SERVE, WORKER, EngineConfig, KVStoreConfig, ServerConfig, SupervisorConfig
+from xlserve.config import ROUTER, SERVE, WORKER, EngineConfig, KVStoreConfig, ServerConfig, SupervisorConfig
 from xlserve.supervisor import Supervisor, WorkerProcess, die_with_parent, raise_on_sigterm, stop_processes
 
 log = logging.getLogger("xlserve.serve")
@@ -53,6 +54,32 @@ def worker_process(role: str, engine: EngineConfig, server: ServerConfig, key: s
     worker = WorkerProcess(role, f"http://127.0.0.1:{port}", spawn)
     worker.start()
     return worker
+
+
+def router_process(server: ServerConfig, workers: list[WorkerProcess], model: str, chat_template: str,
+                   policy: str, key: str) -> WorkerProcess:
+    """``xlserve router`` on the public address over ``workers``; the keys travel in its
+    environment, never on its command line."""
+    (prefill,), (decode,) = ([w.url for w in workers if w.role == role] for role in ("prefill", "decode"))
+    args = [sys.executable, "-m", "xlserve.cli", "router", "--prefill", prefill, "--decode", decode,
+            "--model", model, "--policy", policy, *(["--chat-template", chat_template] if chat_template else []),
+            *config_to_args(router_server_config(server))]
+    env = {**os.environ, "XLSERVE_INTERNAL_API_KEY": key, "XLSERVE_API_KEY": server.api_key}
+    host = "127.0.0.1" if server.host in ("0.0.0.0", "") else "[::1]" if server.host == "::" else server.host
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    router = WorkerProcess(ROUTER, f"http://{host}:{server.port}",
+                           lambda: subprocess.Popen(args, env=env, preexec_fn=die_with_parent))
+    router.start()
+    return router
+
+
+def router_server_config(server: ServerConfig) -> ServerConfig:
+    """The flags of ``serve`` that configure its router; the keys are left out (they go by
+    the environment)."""
+    keys = {"api_key", "api_key_file", "internal_api_key", "internal_api_key_file"}
+    shared = {f.name for f in dataclasses.fields(ServerConfig)
+              if ROUTER in f.metadata.get("commands", (ROUTER,)) and SERVE in f.metadata.get("commands", (SERVE,))}
+    return ServerConfig(**{name: getattr(server, name) for name in shared - keys})
 
 
 def worker_engine(engine: EngineConfig, role: str) -> EngineConfig:
@@ -142,33 +169,31 @@ def _serve(engine: EngineConfig, server: ServerConfig, colocated: bool, policy: 
         from xlserve.worker.server import run_worker
         run_worker(engine, server)
         return
-    from xlserve.router.app import RouterOptions, run_router
     raise_on_sigterm()
+    if server.port == 0:  # the router is restarted on the same port: fix it now
+        server = dataclasses.replace(server, port=free_port())
     key = secrets.token_hex(16)  # workers listen on loopback and still want a key: only the router has it
-    workers: list[WorkerProcess] = []
-    supervisor = None
+    children: list[WorkerProcess] = []
+    supervisor, gave_up = None, threading.Event()
     try:
         for role in ("prefill", "decode"):
-            workers.append(worker_process(role, worker_engine(engine, role), server, key))
-        wait_healthy([(w.proc, w.url) for w in workers])
-        log.info("workers ready: prefill %s, decode %s", workers[0].url, workers[1].url)
-        gave_up: list[str] = []
+            children.append(worker_process(role, worker_engine(engine, role), server, key))
+        wait_healthy([(w.proc, w.url) for w in children])
+        log.info("workers ready: prefill %s, decode %s", children[0].url, children[1].url)
+        children.append(router_process(server, children, engine.model.model, engine.model.chat_template, policy, key))
+        wait_healthy([(children[-1].proc, children[-1].url)])
+        log.info("serving on http://%s:%d (router pid %d)", server.host, server.port, children[-1].proc.pid)
+        why: list[str] = []
 
-        def give_up(why: str) -> None:  # on the supervisor's thread: stop the router, then exit non-zero
-            gave_up.append(why)
-            os.kill(os.getpid(), signal.SIGINT)
-        supervisor = Supervisor(workers, supervision or SupervisorConfig(), give_up)
+        def give_up(reason: str) -> None:  # on the supervisor's thread
+            why.append(reason)
+            gave_up.set()
+        supervisor = Supervisor(children, supervision or SupervisorConfig(), give_up)
         supervisor.start()
-        opts = RouterOptions(prefill=(workers[0].url,), decode=(workers[1].url,), policy=policy,
-                             model=engine.model.model, chat_template=engine.model.chat_template, worker_api_key=key)
-        try:
-            run_router(opts, server)
-        except (KeyboardInterrupt, SystemExit):
-            if not gave_up:
-                raise
-        if gave_up:
-            raise SystemExit(f"xlserve serve: {gave_up[0]}")
+        while not gave_up.wait(0.5):  # until the supervisor gives up, or Ctrl-C, SIGTERM, SIGHUP
+            pass
+        raise SystemExit(f"xlserve serve: {why[0]}")
     finally:
         if supervisor is not None:
             supervisor.stop()
-        stop_processes([w.proc for w in workers if w.proc is not None])
+        stop_processes([w.proc for w in reversed(children) if w.proc is not None])  # the router first

@@ -1,6 +1,7 @@
-"""Keeps the workers of ``xlserve serve`` alive: a worker that exits, or stops answering
-``/health`` for a while (hung engine, stopped process), is killed and started again on
-the same port, so the router's health check finds it back without being told. Restarts
+"""Keeps the processes of ``xlserve serve`` alive (its router and workers): one that exits,
+or stops answering ``/health`` for a while (hung engine, stopped process), is killed and
+started again on the same port, so the router's health check finds a worker back without
+being told, and clients find the router back where it was. Restarts
 back off and have a budget; a worker that keeps failing stops the whole stack with a
 non-zero exit instead of flapping forever.
 """
@@ -41,8 +42,9 @@ def exit_cause(code: int) -> str:
 
 @dataclass
 class WorkerProcess:
-    """One worker: how to start it, and the process running now."""
-    role: str
+    """One supervised process (a worker, or the router): how to start it, and the process
+    running now."""
+    role: str  # prefill, decode, both or router
     url: str
     spawn: Callable[[], subprocess.Popen]
     proc: subprocess.Popen | None = None
@@ -53,6 +55,10 @@ class WorkerProcess:
 
     def start(self) -> None:
         self.proc, self.started, self.ready, self.unhealthy_since = self.spawn(), time.monotonic(), False, None
+
+    @property
+    def name(self) -> str:
+        return "router" if self.role == "router" else f"{self.role} worker"
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -116,20 +122,20 @@ class Supervisor:
         while worker.restarts and now - worker.restarts[0] > self.config.restart_window:
             worker.restarts.popleft()
         if len(worker.restarts) >= self.config.max_restarts:
-            why = (f"{worker.role} worker {worker.url}: {cause}; it was restarted {len(worker.restarts)} times "
+            why = (f"{worker.name} {worker.url}: {cause}; it was restarted {len(worker.restarts)} times "
                    f"in {self.config.restart_window:g} s, the budget; giving up")
             log.error(why)
             self.on_give_up(why)
             return False
         delay = min(self.config.max_backoff, 2.0 ** len(worker.restarts) - 1)
-        log.warning("%s worker %s (pid %s) %s; restarting it in %.0f s", worker.role, worker.url,
+        log.warning("%s %s (pid %s) %s; restarting it in %.0f s", worker.name, worker.url,
                     worker.proc.pid, cause, delay)
         worker.kill()
         worker.restarts.append(now)
         if self._stop.wait(delay):
             return False
         worker.start()
-        log.info("%s worker %s restarted as pid %d", worker.role, worker.url, worker.proc.pid)
+        log.info("%s %s restarted as pid %d", worker.name, worker.url, worker.proc.pid)
         return True
 
 

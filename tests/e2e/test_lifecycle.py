@@ -85,23 +85,23 @@ def test_the_readme_talk_to_it_recipes_run_as_written(serve):
     assert haiku.returncode == 0 and "cached prompt tokens:" in haiku.stdout, haiku.stdout + haiku.stderr
 
 
-def test_sighup_stops_serve_and_its_workers_like_ctrl_c(serve):
+def test_sighup_stops_serve_and_its_router_and_workers_like_ctrl_c(serve):
     proc = PROCESSES[serve]
-    workers = [child.pid for child in psutil.Process(proc.pid).children()]
-    assert len(workers) == 2
+    children = [child.pid for child in psutil.Process(proc.pid).children()]
+    assert len(children) == 3  # router, prefill and decode worker
     proc.send_signal(signal.SIGHUP)
     code = proc.wait(timeout=10)
     assert code >= 0, code  # it exited through its cleanup, not killed by the signal's default action
-    assert _gone_within(workers, 1)
+    assert _gone_within(children, 1)
 
 
-def test_sigkill_of_serve_leaves_no_worker_after_10s():
+def test_sigkill_of_serve_leaves_no_router_or_worker_after_10s():
     with running_server("--log-level", "warning", command="serve") as url:
         proc = PROCESSES[url]
-        workers = [child.pid for child in psutil.Process(proc.pid).children()]
-        assert len(workers) == 2
+        children = [child.pid for child in psutil.Process(proc.pid).children()]
+        assert len(children) == 3
         proc.kill()  # no cleanup runs in serve: only the kernel's parent-death signal reaches them
         proc.wait()
-        assert _gone_within(workers, 10)
+        assert _gone_within(children, 10)
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{url}/health", timeout=1)

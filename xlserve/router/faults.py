@@ -15,6 +15,11 @@ def error_of(body: bytes) -> dict:
     return {"message": body[:200].decode("utf-8", "replace")}
 
 
+def describe(e: BaseException) -> str:
+    """An exception for a log line: its type, then its message (httpx's timeouts have none)."""
+    return f"{type(e).__name__} {e}".rstrip()
+
+
 class WorkerFailed(Exception):
     """A worker failed (unreachable, 5xx, broken stream, no progress in time): marked down."""
 

@@ -25,7 +25,7 @@ from xlserve.engine.outputs import CompletionOutput, RequestOutput
 from xlserve.engine.request import FinishReason
 from xlserve.hashing import block_hashes
 from xlserve.openai.engine_client import EngineBusy, EngineClient, RequestFailed, RequestStream
-from xlserve.router.faults import NoWorker, WorkerFailed, error_of
+from xlserve.router.faults import NoWorker, WorkerFailed, describe, error_of
 from xlserve.router.index import PrefixIndex
 from xlserve.router.policies import RouteRequest, RoutingPolicy
 from xlserve.router.pool import XLSERVE, Worker, WorkerPool
@@ -288,7 +288,7 @@ class RemoteEngine(EngineClient):
             try:
                 await self.pool.http.post(f"{worker.url}/internal/kv/release", json={"pin_id": handle.pin_id})
             except httpx.HTTPError as e:  # the pin expires on its own
-                log.warning("releasing KV pin on %s failed: %s", worker.url, e)
+                log.warning("releasing KV pin on %s failed: %s", worker.url, describe(e))
 
     @staticmethod
     def _moved(route: RouteRequest, failed: Worker, worker: Worker) -> None:
@@ -330,7 +330,8 @@ class RemoteEngine(EngineClient):
                         return
             raise WorkerFailed("decode stream ended without a finish")
         except httpx.HTTPError as e:
-            self.pool.mark_down(worker, str(e))
-            raise WorkerFailed(f"decode worker {worker.url} failed after {time.monotonic() - started:.1f}s: {e}") from e
+            self.pool.mark_down(worker, describe(e))
+            raise WorkerFailed(f"decode worker {worker.url} failed after {time.monotonic() - started:.1f}s: "
+                               f"{describe(e)}") from e
         finally:
             worker.decode_tokens -= len(ids)
