@@ -46,8 +46,11 @@ class Load:
             except httpx.HTTPError as e:
                 result = type(e).__name__
             self.outcomes.append(Outcome(client, start, time.monotonic(), result))
-            if result not in ("ok", "aborted"):
-                time.sleep(0.2)
+            time.sleep(self.pause_after(client, result))
+
+    def pause_after(self, client: int, result: str) -> float:
+        """Seconds a client waits before its next request."""
+        return 0.0 if result in ("ok", "aborted") else 0.2
 
     def request(self, client: int, rng: random.Random) -> str:
         r = httpx.post(f"{self.url}/v1/chat/completions", timeout=self.DEADLINE_S, headers=self.headers,
@@ -76,8 +79,12 @@ class AgenticLoad(Load):
     a stream the client drops after two chunks, every 10th (another) a request cut off by a
     client timeout of 0.3 s. A session starts again after 6 turns."""
 
+    def __init__(self, url: str, clients: int = 3, headers: dict | None = None):
+        self.sessions = {i: {"turns": [], "n": 0} for i in range(clients)}
+        super().__init__(url, clients, headers)
+
     def request(self, client: int, rng: random.Random) -> str:
-        state = self.__dict__.setdefault("_sessions", {}).setdefault(client, {"turns": [], "n": 0})
+        state = self.sessions[client]
         if len(state["turns"]) >= 12:
             state["turns"], state["n"] = [], state["n"] + 1
         system = SYSTEM_PROMPTS[(client + state["n"]) % len(SYSTEM_PROMPTS)]

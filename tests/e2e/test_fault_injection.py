@@ -4,6 +4,7 @@ times the load the workers admit. Clients see bounded errors and waits, never a 
 the stack serves again afterwards with nothing left held."""
 
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -13,7 +14,7 @@ import psutil
 import pytest
 
 from tests.e2e.load import CHAT, Load
-from tests.e2e.server_process import PROCESSES, free_port, metric, running_server, stop
+from tests.e2e.server_process import PROCESSES, free_port, metric, running_server, stop, wait_up
 
 
 def _child_pid(serve_pid: int, role: str) -> int:
@@ -94,3 +95,141 @@ def test_serve_brings_back_each_of_its_processes_killed_or_stopped_under_load():
     assert {o.result for o in outcomes} <= CLIENT_SAW, {o.result for o in outcomes}
     last = {o.client: o.result for o in outcomes}
     assert set(last.values()) == {"ok"}, last  # every client is served again at the end
+
+
+FAULTY_PREFILL = """
+import itertools, json, socket, sys, threading, time
+from xlserve.config import EngineConfig, ServerConfig
+from xlserve.transfer.tcp import TCPTransportServer
+from xlserve.worker.server import run_worker
+
+FAULTS, LOCK = itertools.cycle(["ok", "stall", "drop", "truncate"]), threading.Lock()
+send = TCPTransportServer.send_payload
+
+def faulty_send(self, sock, reader, header, payload):  # test hook: every pull but one in four goes wrong
+    with LOCK:
+        fault = next(FAULTS)
+    print("KV pull fault:", fault, flush=True)
+    if fault == "stall":  # past the puller's deadline, then the whole answer
+        time.sleep(float(sys.argv[2]) * 2)
+    if fault == "drop":  # the connection closes before any byte of the answer
+        sock.shutdown(socket.SHUT_RDWR)
+        return
+    if fault == "truncate":  # the header, half the payload, then the end
+        sock.sendall(json.dumps(header).encode() + b"\\n")
+        sock.sendall(payload.data[: len(payload.data) // 2])
+        sock.shutdown(socket.SHUT_RDWR)
+        return
+    send(self, sock, reader, header, payload)
+TCPTransportServer.send_payload = faulty_send
+try:
+    run_worker(EngineConfig.from_kwargs(), ServerConfig(port=int(sys.argv[1]), role="prefill", log_level="warning",
+                                                       kv_pin_seconds=20))
+except KeyboardInterrupt:  # stopped by the test
+    pass
+"""
+PULL_TIMEOUT_S = 2
+
+
+class DistinctPrompts(Load):
+    """Every request a prompt no worker has cached, two KV blocks and more: each one pulls."""
+
+    def request(self, client, rng):
+        text = f"Request {rng.random()}: " + "tell me about rivers and the sea. " * 4
+        r = httpx.post(f"{self.url}/v1/chat/completions", timeout=self.DEADLINE_S,
+                       json={**CHAT, "messages": [{"role": "user", "content": text}], "max_tokens": 8,
+                             "stream": bool(client % 2)})
+        return "ok" if r.status_code == 200 and '"error"' not in r.text else f"{r.status_code}"
+
+
+@pytest.fixture(scope="module")
+def faulty_pd():
+    port = free_port()
+    prefill = subprocess.Popen([sys.executable, "-c", FAULTY_PREFILL, str(port), str(PULL_TIMEOUT_S)],
+                               stdout=subprocess.PIPE, text=True)
+    p = f"http://127.0.0.1:{port}"
+    faults: list[str] = []
+    threading.Thread(target=lambda: faults.extend(line.split(":")[1].strip() for line in prefill.stdout
+                                                  if line.startswith("KV pull fault")), daemon=True).start()
+    try:
+        wait_up(p, prefill, 180)
+        with running_server("--role", "decode", "--kv-pull-timeout", str(PULL_TIMEOUT_S), "--log-level", "warning") \
+                as d, running_server("--prefill", p, "--decode", d, "--log-level", "warning", command="router") as r:
+            yield {"p": p, "d": d, "router": r, "faults": faults}
+    finally:
+        stop(prefill)
+
+
+def test_kv_pulls_that_stall_drop_or_arrive_truncated_are_recomputed_under_load(faulty_pd):
+    load = DistinctPrompts(faulty_pd["router"], clients=3)
+    time.sleep(25)
+    outcomes = load.finish()
+    faults, router = faulty_pd["faults"], faulty_pd["router"]
+    print(f"{len(outcomes)} requests; pulls: {len(faults)} ({faults.count('ok')} fine, {faults.count('stall')} "
+          f"stalled, {faults.count('drop')} dropped, {faults.count('truncate')} truncated)")
+    assert {"stall", "drop", "truncate"} <= set(faults)
+    assert {o.result for o in outcomes} == {"ok"}  # --kv-pull-failure recompute: the client never knows
+    assert max(o.end - o.start for o in outcomes) < PULL_TIMEOUT_S + 10  # a stalled pull costs its deadline
+    assert metric(router, "xlserve_kv_transfer_failures_total") >= len(faults) - faults.count("ok") - 3
+    deadline = time.monotonic() + 30  # the router releases each pin, pulled or not
+    while metric(faulty_pd["p"], "xlserve_kv_pins") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for url in (faulty_pd["p"], faulty_pd["d"]):
+        assert metric(url, "xlserve_kv_pins") == 0 and metric(url, "xlserve_kv_blocks_used") == 0
+        assert metric(url, "xlserve_num_requests_running") == 0 and metric(url, "xlserve_num_requests_waiting") == 0
+
+
+def _rss_mib(pids: list[int]) -> float:
+    return sum(psutil.Process(pid).memory_info().rss for pid in pids) / 2**20
+
+
+ADMITTED = ("--max-num-seqs", "2", "--max-waiting", "2")  # each worker holds at most 4 requests
+
+
+class Burst(Load):
+    """Non-streamed chats that count a 429 only with its Retry-After header, and wait what
+    it says before the next try (as the openai client does)."""
+
+    def __init__(self, url: str, clients: int):
+        self.retry_after: dict[int, float] = {}
+        super().__init__(url, clients)
+
+    def request(self, client, rng):
+        r = httpx.post(f"{self.url}/v1/chat/completions", timeout=self.DEADLINE_S,
+                       json={**CHAT, "max_tokens": 16})
+        if r.status_code == 429:
+            self.retry_after[client] = float(r.headers.get("retry-after", "0"))
+            return "429" if r.headers.get("retry-after") and r.json()["error"]["message"] else "429 bare"
+        return "ok" if r.status_code == 200 else f"{r.status_code}"
+
+    def pause_after(self, client, result):
+        return self.retry_after.pop(client, 0.0) if result == "429" else super().pause_after(client, result)
+
+
+def test_ten_times_the_admitted_load_is_refused_with_retry_after_and_bounded():
+    with running_server(*ADMITTED, "--log-level", "warning", command="serve") as url:
+        pids = [PROCESSES[url].pid, *(c.pid for c in psutil.Process(PROCESSES[url].pid).children())]
+        Burst(url, clients=4).finish()  # warm: the admitted load alone
+        idle_rss = _rss_mib(pids)
+        admitted = Burst(url, clients=4)
+        time.sleep(10)
+        alone = admitted.finish()
+        burst, peak = Burst(url, clients=40), idle_rss
+        for _ in range(40):
+            time.sleep(0.5)
+            peak = max(peak, _rss_mib(pids))
+        outcomes = burst.finish()
+        after = Burst(url, clients=4)
+        time.sleep(5)
+        recovered = after.finish()
+    ok = sorted(o.end - o.start for o in outcomes if o.result == "ok")
+    base = sorted(o.end - o.start for o in alone if o.result == "ok")
+    refused = [o for o in outcomes if o.result.startswith("429")]
+    print(f"alone: {len(base)} ok, p50 {base[len(base) // 2]:.2f} s; 10x: {len(ok)} ok, p50 "
+          f"{ok[len(ok) // 2]:.2f} s, max {ok[-1]:.2f} s, {len(refused)} refused; RSS {idle_rss:.0f} -> "
+          f"peak {peak:.0f} MiB")
+    assert {o.result for o in outcomes} <= {"ok", "429"}  # every refusal a 429 with Retry-After
+    assert refused and ok
+    assert ok[-1] < 10 * base[len(base) // 2] + 5  # an admitted request waits its turn, not forever
+    assert peak < idle_rss * 1.2 + 200  # refused requests hold no memory
+    assert {o.result for o in recovered} == {"ok"}
