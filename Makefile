@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install serve test test-peers fuzz clean
+.PHONY: install serve test test-peers fuzz soak clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -39,6 +39,16 @@ test-peers: install
 FUZZ_EXAMPLES ?= 1000
 fuzz: install
 	XLSERVE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q tests/e2e/test_fuzz.py $(PYTEST_ARGS)
+
+# The soak at length: CLIENTS agentic clients through `xlserve serve` for MINUTES minutes,
+# every process sampled; the samples and a plot go to $(SOAK_REPORT).json and .png.
+MINUTES ?= 30
+CLIENTS ?= 8
+SOAK_REPORT ?= soak-report
+soak: install
+	$(PY) -m pip install -q matplotlib
+	XLSERVE_SOAK_MINUTES=$(MINUTES) XLSERVE_SOAK_CLIENTS=$(CLIENTS) XLSERVE_SOAK_REPORT=$(SOAK_REPORT) \
+		$(PY) -m pytest -q -s tests/e2e/test_soak.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
