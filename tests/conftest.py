@@ -1,4 +1,5 @@
 import os
+import subprocess
 
 import pytest
 import torch
@@ -100,6 +101,20 @@ def tiny_model_dirs(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tiny_model_dirs):
     return tiny_model_dirs["llama"]
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A real file system of 64 KiB (tmpfs): writes past it fail with ENOSPC."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], check=True,
+                       capture_output=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"cannot mount a small tmpfs to fill (needs root and CAP_SYS_ADMIN): {e}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def pytest_collection_modifyitems(config, items):

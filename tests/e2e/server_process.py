@@ -76,3 +76,12 @@ def metric(url: str, name: str) -> float:
         if line.startswith(name + " ") or line.startswith(name + "{"):
             return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)
+
+
+def metric_value(url: str, name: str, **labels) -> float:
+    """The value of the series of ``name`` with exactly ``labels`` in ``url``'s /metrics (0 when absent)."""
+    want = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(f"{name}{want} "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0

@@ -8,13 +8,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 
 import httpx
 import psutil
 import pytest
 
 from tests.e2e.load import CHAT, Load
-from tests.e2e.server_process import PROCESSES, free_port, metric, running_server, stop, wait_up
+from tests.e2e.server_process import PROCESSES, free_port, metric, metric_value, running_server, stop, wait_up
 
 
 def _child_pid(serve_pid: int, role: str) -> int:
@@ -87,7 +88,9 @@ def test_serve_brings_back_each_of_its_processes_killed_or_stopped_under_load():
         children = [_child_pid(serve.pid, role) for role in ("router", "prefill", "decode")]
         serve.send_signal(signal.SIGINT)  # Ctrl-C
         serve.wait(20)
-    print("recovered within (s):", {k: round(v, 1) for k, v in recovered.items()})
+    longest = max(o.end - o.start for o in outcomes)
+    print("recovered within (s):", {k: round(v, 1) for k, v in recovered.items()}, "; clients saw:",
+          dict(Counter(o.result for o in outcomes)), f"; longest request {longest:.1f} s")
     time.sleep(1)
     assert not any(psutil.pid_exists(pid) for pid in children)  # no orphan
     assert all(seconds < 60 for seconds in recovered.values()), recovered
@@ -166,7 +169,8 @@ def test_kv_pulls_that_stall_drop_or_arrive_truncated_are_recomputed_under_load(
     outcomes = load.finish()
     faults, router = faulty_pd["faults"], faulty_pd["router"]
     print(f"{len(outcomes)} requests; pulls: {len(faults)} ({faults.count('ok')} fine, {faults.count('stall')} "
-          f"stalled, {faults.count('drop')} dropped, {faults.count('truncate')} truncated)")
+          f"stalled, {faults.count('drop')} dropped, {faults.count('truncate')} truncated); longest request "
+          f"{max(o.end - o.start for o in outcomes):.2f} s")
     assert {"stall", "drop", "truncate"} <= set(faults)
     assert {o.result for o in outcomes} == {"ok"}  # --kv-pull-failure recompute: the client never knows
     assert max(o.end - o.start for o in outcomes) < PULL_TIMEOUT_S + 10  # a stalled pull costs its deadline
@@ -233,3 +237,23 @@ def test_ten_times_the_admitted_load_is_refused_with_retry_after_and_bounded():
     assert ok[-1] < 10 * base[len(base) // 2] + 5  # an admitted request waits its turn, not forever
     assert peak < idle_rss * 1.2 + 200  # refused requests hold no memory
     assert {o.result for o in recovered} == {"ok"}
+
+
+def test_a_full_disk_under_load_takes_the_disk_tier_out_and_no_request_fails(full_disk):
+    """A disk tier on a file system with no room (64 KiB: not one block of the default
+    model): the first write-back fails, the tier goes off, and the load never notices."""
+    with running_server("--kv-tiers", "host,disk", "--kv-host-gib", "0.01", "--kv-disk-dir", str(full_disk),
+                        "--kv-cache-tokens", "1024", "--log-level", "warning", command="serve") as url:
+        workers = {w["role"]: w["url"] for w in httpx.get(f"{url}/router/workers").json()}
+        load = DistinctPrompts(url, clients=3)  # every prompt new: the small pools evict to the tiers
+        time.sleep(20)
+        outcomes = load.finish()
+        off = [metric_value(workers[role], "xlserve_kv_tier_enabled", tier="disk") for role in workers]
+        failures = [metric_value(workers[role], "xlserve_kv_tier_failures_total", tier="disk") for role in workers]
+        for role_url in workers.values():
+            assert metric(role_url, "xlserve_kv_blocks_used") == 0
+            assert metric(role_url, "xlserve_num_requests_running") == 0
+        assert httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30).status_code == 200
+    print(f"{len(outcomes)} requests; disk tier enabled per worker {off}, failures {failures}")
+    assert {o.result for o in outcomes} == {"ok"}
+    assert 0.0 in off and max(failures) >= 1  # the tier met the full disk and went off

@@ -10,18 +10,9 @@ import openai
 import psutil
 import pytest
 
-from tests.e2e.server_process import PROCESSES, metric, running_server
+from tests.e2e.server_process import PROCESSES, metric, metric_value, running_server
 
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def _counter(url: str, name: str, **labels) -> float:
-    """The value of one labelled series in ``url``'s /metrics (0 when absent)."""
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if re.fullmatch(rf"{name}\{{{want}\}} \S+", line):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def _workers(url: str) -> dict[str, str]:
@@ -45,7 +36,7 @@ def serve():
 
 def test_a_stream_cancelled_after_3_chunks_is_gone_from_the_decode_worker_within_1s(serve):
     decode = _workers(serve)["decode"]
-    aborted_before = _counter(serve, "xlserve_request_success_total", finished_reason="abort")
+    aborted_before = metric_value(serve, "xlserve_request_success_total", finished_reason="abort")
     client = openai.OpenAI(base_url=f"{serve}/v1", api_key="none", max_retries=0)
     stream = client.chat.completions.create(model=MODEL, stream=True, max_tokens=2000,
                                             messages=[{"role": "user", "content": "Count to a thousand."}],
@@ -64,10 +55,10 @@ def test_a_stream_cancelled_after_3_chunks_is_gone_from_the_decode_worker_within
     print(f"decode worker idle {idle_after * 1000:.0f} ms after the client left")
     assert idle_after < 1.0
     deadline = time.monotonic() + 5  # the router counts it once its generator has closed
-    while _counter(serve, "xlserve_request_success_total", finished_reason="abort") == aborted_before:
+    while metric_value(serve, "xlserve_request_success_total", finished_reason="abort") == aborted_before:
         assert time.monotonic() < deadline, "the router never counted the abort"
         time.sleep(0.1)
-    assert _counter(decode, "xlserve_request_success_total", finished_reason="abort") >= 1
+    assert metric_value(decode, "xlserve_request_success_total", finished_reason="abort") >= 1
 
 
 def test_the_readme_talk_to_it_recipes_run_as_written(serve):

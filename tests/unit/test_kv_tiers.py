@@ -3,7 +3,6 @@ a full disk), then under the engine: a session evicted from the device pool to h
 and on to disk comes back as a prefix hit with output identical to a run that never evicted."""
 
 import os
-import subprocess
 
 import numpy as np
 import pytest
@@ -67,20 +66,6 @@ def test_a_damaged_disk_block_is_a_miss_and_is_removed(tmp_path, damage):
     assert got[0] is None and bytes(got[1]) == _blocks(2)[1].tobytes()
     assert not path.exists() and tier.contains(_keys(1)) == [False]
     assert tier.stats.failures == 1
-
-
-@pytest.fixture
-def full_disk(tmp_path):
-    """A real 64 KiB file system (tmpfs): writes past it fail with ENOSPC."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], check=True,
-                       capture_output=True)
-    except (OSError, subprocess.CalledProcessError) as e:
-        pytest.skip(f"cannot mount a small tmpfs to fill (needs root and CAP_SYS_ADMIN): {e}")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=False)
 
 
 def test_a_full_disk_takes_the_tier_out_and_the_rest_goes_on(full_disk, caplog):
