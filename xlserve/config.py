@@ -378,6 +378,9 @@ class ServerConfig:
                               "a loopback address ('*': any). Guards against DNS rebinding.")
     metrics_need_key: bool = _opt(False, "Put /metrics and /router/workers behind the API key too.")
     max_body_bytes: int = _opt(8 * 1024 * 1024, "Largest request body accepted; larger ones get 413.")
+    request_head_timeout: float = _opt(30.0, "Seconds a connection may take to send a whole request head, after "
+                                       "it opened or after its last response, before it is closed: a client "
+                                       "cannot hold sockets open by sending nothing.")
     tool_parser: str = _opt("auto", "Tool-call format to read from the model's output: auto (from the chat "
                             "template: Kimi K2, DeepSeek-V3/V3.1, Mistral, pythonic, Llama 3 JSON, else Hermes) "
                             "or one of kimi_k2, deepseek_v3, deepseek_v31, mistral, pythonic, llama3_json, hermes.")
@@ -421,6 +424,8 @@ class ServerConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if not 0 <= self.responses_kept <= 1_000_000:
             raise ValueError(f"responses_kept must be in 0..1000000, got {self.responses_kept}")
+        if not 0 < self.request_head_timeout <= 3600:
+            raise ValueError(f"request_head_timeout must be in (0, 3600], got {self.request_head_timeout}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if not 0 < self.kv_pin_seconds <= 600:

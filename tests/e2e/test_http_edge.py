@@ -2,6 +2,8 @@
 every door, and no key on any command line."""
 
 import re
+import socket
+import time
 
 import httpx
 import psutil
@@ -11,11 +13,12 @@ from tests.e2e.server_process import PROCESSES, running_server
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 KEY = "edge-test-key-5a1c"
+HEAD_TIMEOUT_S = 2
 
 
 @pytest.fixture(scope="module")
 def edge():
-    quiet = ("--log-level", "warning")
+    quiet = ("--log-level", "warning", "--request-head-timeout", str(HEAD_TIMEOUT_S))
     with running_server(*quiet) as worker, running_server("--both", worker, *quiet, "--metrics-need-key",
                                                           command="router", env={"XLSERVE_API_KEY": KEY}) as router:
         yield {"worker": worker, "router": router}
@@ -37,6 +40,37 @@ def test_a_foreign_host_name_gets_421_on_a_loopback_bind(edge, target):
     ok = httpx.post(f"{edge[target]}/v1/chat/completions", json=CHAT,
                     headers={"host": f"localhost:{port}", "authorization": f"Bearer {KEY}"})
     assert ok.status_code == 200
+
+
+def _closed_after(sock: socket.socket, trickle: bytes = b"") -> float:
+    """Seconds until the server closes ``sock``, sending it ``trickle`` one byte every 0.2 s."""
+    start = time.monotonic()
+    sock.settimeout(0.2)
+    for i in range(100):
+        try:
+            if sock.recv(1) == b"":
+                return time.monotonic() - start
+        except TimeoutError:
+            pass
+        except ConnectionResetError:
+            return time.monotonic() - start
+        if trickle:
+            try:
+                sock.sendall(trickle[i % len(trickle):][:1])
+            except OSError:
+                return time.monotonic() - start
+    raise AssertionError("still open after 20 s")
+
+
+@pytest.mark.parametrize("target", ["worker", "router"])
+def test_a_connection_without_a_whole_request_head_is_closed(edge, target):
+    address = ("127.0.0.1", int(edge[target].rsplit(":", 1)[1]))
+    with socket.create_connection(address) as silent:
+        assert HEAD_TIMEOUT_S - 0.5 < _closed_after(silent) < HEAD_TIMEOUT_S + 2  # sends nothing
+    with socket.create_connection(address) as slow:
+        head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 200
+        assert HEAD_TIMEOUT_S - 0.5 < _closed_after(slow, trickle=head) < HEAD_TIMEOUT_S + 2  # a byte at a time
+    assert httpx.get(f"{edge[target]}/health").status_code == 200
 
 
 def test_the_router_wants_its_key_from_the_environment(edge):

@@ -18,6 +18,7 @@ from xlserve.config import ServerConfig
 from xlserve.loader.tokenizer import load_model_tokenizer, prompt_token_ids
 from xlserve.openai.app import build_app
 from xlserve.openai.errors import error_body
+from xlserve.openai.http_protocol import uvicorn_config
 from xlserve.openai.serving_common import WorkerState
 from xlserve.router.backend import parse_worker_address
 from xlserve.router.dispatch import Dispatcher
@@ -114,5 +115,4 @@ def run_router(opts: RouterOptions, config: ServerConfig) -> None:
     log.info("router on http://%s:%d: policy %s%s, prefill %s, decode %s, both %s", config.host, config.port,
              opts.policy, " + session affinity" if opts.affinity else "", list(opts.prefill), list(opts.decode),
              list(opts.both))
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
-                timeout_graceful_shutdown=5)
+    uvicorn.Server(uvicorn_config(app, config)).run()

@@ -33,6 +33,7 @@ from xlserve.router.backend import (
     sse_events,
 )
 from xlserve.router.backend_probe import BackendInfo
+from xlserve.router.connections import open_response
 from xlserve.router.faults import WorkerFailed
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class OpenAIBackend(Backend):
         """Send; return when the JSON answer, or the stream's first event, is in."""
         request = self.http.build_request("POST", f"{url}{path}", json=body, headers=self.headers)
         try:
-            response = await self.http.send(request, stream=True)
+            response = await open_response(self.http, request)
         except httpx.HTTPError as e:
             raise WorkerFailed(f"{url}: {type(e).__name__} {e}") from e
         try:

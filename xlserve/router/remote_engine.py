@@ -25,6 +25,7 @@ from xlserve.engine.outputs import CompletionOutput, RequestOutput
 from xlserve.engine.request import FinishReason
 from xlserve.hashing import block_hashes
 from xlserve.openai.engine_client import EngineBusy, EngineClient, RequestFailed, RequestStream
+from xlserve.router.connections import streamed
 from xlserve.router.faults import NoWorker, WorkerFailed, describe, error_of
 from xlserve.router.index import PrefixIndex
 from xlserve.router.policies import RouteRequest, RoutingPolicy
@@ -303,7 +304,7 @@ class RemoteEngine(EngineClient):
         worker.decode_tokens += len(ids)
         started = time.monotonic()
         try:
-            async with self.pool.http.stream("POST", f"{worker.url}/internal/generate", json=body) as r:
+            async with streamed(self.pool.http, "POST", f"{worker.url}/internal/generate", json=body) as r:
                 if r.status_code != 200:
                     raise answer_error(r.status_code, await r.aread())
                 first_event = True

@@ -15,6 +15,7 @@ import uvicorn
 from xlserve.config import EngineConfig, ServerConfig
 from xlserve.engine.llm_engine import LLMEngine
 from xlserve.openai.app import build_app
+from xlserve.openai.http_protocol import uvicorn_config
 from xlserve.openai.serving_common import WorkerState
 from xlserve.worker.async_engine import AsyncEngine
 from xlserve.worker.metrics import WorkerMetrics
@@ -43,9 +44,7 @@ def run_worker(engine_config: EngineConfig, server_config: ServerConfig) -> None
     log.info("serving %s on http://%s:%d as %s (max context %d tokens, %d KV blocks of %d, KV transfer %s)",
              state.model_name, server_config.host, server_config.port, server_config.role, state.max_model_len,
              state.engine.num_blocks, state.engine.block_size, app.state.disaggregation.address)
-    server = uvicorn.Server(uvicorn.Config(app, host=server_config.host, port=server_config.port,
-                                           log_level=server_config.log_level, access_log=False,
-                                           timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn_config(app, server_config))
     server.should_exit = state.async_engine.dead is not None  # died before the server existed
     try:
         server.run()

@@ -1,0 +1,44 @@
+"""Opening HTTP responses from workers so that a client who leaves never leaks a connection.
+
+httpcore 1.0.9 (the latest; httpx gets no more releases) leaves a connection in its pool
+for good when the task that asked for it is cancelled while the connection is being set
+up (encode/httpcore#1093): neither idle nor closed, it is never reaped nor reused. The
+router's tasks are cancelled whenever a client disconnects, and the 30-minute soak (8
+agentic clients, one request in six left early) leaked 47 router -> decode connections:
+the pool's 100 would have been gone within about an hour, and then every request waits
+for a pool timeout. So the send runs in a task of its own that nobody cancels; a caller
+that is cancelled meanwhile leaves it to finish and close the response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import AsyncIterator
+
+import httpx
+
+
+async def open_response(http: httpx.AsyncClient, request: httpx.Request) -> httpx.Response:
+    """``http.send(request, stream=True)``, never cancelled half way."""
+    sending = asyncio.ensure_future(http.send(request, stream=True))
+    try:
+        return await asyncio.shield(sending)
+    except asyncio.CancelledError:
+        sending.add_done_callback(_close_unwanted)
+        raise
+
+
+def _close_unwanted(sending: asyncio.Future) -> None:
+    if not sending.cancelled() and sending.exception() is None:
+        asyncio.ensure_future(sending.result().aclose())
+
+
+@contextlib.asynccontextmanager
+async def streamed(http: httpx.AsyncClient, method: str, url: str, **kwargs) -> AsyncIterator[httpx.Response]:
+    """``http.stream(method, url, ...)`` on ``open_response``."""
+    response = await open_response(http, http.build_request(method, url, **kwargs))
+    try:
+        yield response
+    finally:
+        await response.aclose()
