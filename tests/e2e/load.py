@@ -7,6 +7,7 @@ streamed and not, and a share of clients that disconnect mid-stream or abort.
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -55,7 +56,7 @@ class Load:
     def request(self, client: int, rng: random.Random) -> str:
         r = httpx.post(f"{self.url}/v1/chat/completions", timeout=self.DEADLINE_S, headers=self.headers,
                        json={**CHAT, "max_tokens": 12, "stream": bool(client % 2)})
-        return "ok" if r.status_code == 200 and '"error"' not in r.text else f"{r.status_code}"
+        return result_of(r)
 
     def finish(self) -> list[Outcome]:
         self.stop.set()
@@ -103,8 +104,8 @@ class AgenticLoad(Load):
             if timeout < self.DEADLINE_S:
                 return "aborted"
             raise
-        if r.status_code != 200 or '"error"' in r.text:
-            return f"{r.status_code}"
+        if result_of(r) != "ok":
+            return result_of(r)
         answer = _answer_text(r.text, body["stream"])
         state["turns"] += [messages[-1], {"role": "assistant", "content": answer}]
         return "ok"
@@ -120,8 +121,18 @@ class AgenticLoad(Load):
         return "aborted"
 
 
+def result_of(r: httpx.Response) -> str:
+    """"ok", the status of an error answer, or "200 error: ..." for a stream that ended in an
+    error event (what the model wrote is not looked at)."""
+    if r.status_code != 200:
+        return f"{r.status_code}"
+    for line in r.text.splitlines() if r.text.startswith("data:") else []:
+        if line.startswith("data: {") and "error" in (event := json.loads(line[6:])):
+            return f"200 error: {str(event['error'].get('message'))[:120]}"
+    return "ok"
+
+
 def _answer_text(text: str, streamed: bool) -> str:
-    import json
     if not streamed:
         return json.loads(text)["choices"][0]["message"]["content"] or ""
     parts = []

@@ -14,7 +14,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.e2e.load import CHAT, Load
+from tests.e2e.load import CHAT, Load, result_of
 from tests.e2e.server_process import PROCESSES, free_port, metric, metric_value, running_server, stop, wait_up
 
 
@@ -142,7 +142,7 @@ class DistinctPrompts(Load):
         r = httpx.post(f"{self.url}/v1/chat/completions", timeout=self.DEADLINE_S,
                        json={**CHAT, "messages": [{"role": "user", "content": text}], "max_tokens": 8,
                              "stream": bool(client % 2)})
-        return "ok" if r.status_code == 200 and '"error"' not in r.text else f"{r.status_code}"
+        return result_of(r)
 
 
 @pytest.fixture(scope="module")

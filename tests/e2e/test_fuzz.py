@@ -12,6 +12,7 @@ behind.
 import json
 import os
 import time
+from collections import Counter
 
 import httpx
 import openai
@@ -50,9 +51,13 @@ def openai_error_body(ctx, response, case):
     return None
 
 
-def _check(case) -> None:
+TRIED: Counter = Counter()  # (target, mode, status) -> cases, printed at the end
+
+
+def _check(case, tally: tuple) -> None:
     started = time.monotonic()
     response = case.call(timeout=REQUEST_TIMEOUT_S)
+    TRIED[(*tally, response.status_code)] += 1
     assert time.monotonic() - started < REQUEST_TIMEOUT_S
     case.validate_response(response, checks=[not_a_server_error, openai_error_body])
 
@@ -68,7 +73,7 @@ def test_fuzzing_finds_no_server_error(targets, target, mode):
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     def fuzz(case):
-        _check(case)
+        _check(case, (target, mode.value))
     fuzz()
 
 
@@ -97,6 +102,9 @@ def test_a_hostile_body_is_a_4xx_in_the_openai_shape(targets, target, hostile):
 
 
 def test_after_the_fuzzing_every_server_serves_and_holds_nothing(targets):
+    for key in sorted({k[:2] for k in TRIED}):
+        statuses = {status: n for (*k, status), n in sorted(TRIED.items()) if tuple(k) == key}
+        print(f"fuzzed {key[0]} ({key[1]}): {sum(statuses.values())} cases, answered {statuses}")
     for url, pid in targets["pids"].items():
         assert PROCESSES[url].pid == pid and PROCESSES[url].poll() is None  # none died or restarted
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
