@@ -83,7 +83,7 @@ def test_soak_through_the_router_leaks_nothing():
     assert summary["longest_s"] < AgenticLoad.DEADLINE_S
     for process, after in idle_after.items():
         before = idle_before[process]
-        assert not any(after.get(k) for k in HELD), after
+        assert not any(after.get(k) for k in HELD), {k: after.get(k) for k in ("process", *HELD)}
         assert after["threads"] <= before["threads"] + THREAD_SLACK, (process, before, after)
         assert after["open_files"] <= before["open_files"] + FILE_SLACK, (process, before, after)
         assert summary["rss_last_fifth_over_first"][process] < 1.05, summary

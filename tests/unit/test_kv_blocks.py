@@ -105,3 +105,24 @@ def test_the_pool_has_one_owner():
     import xlserve.worker.internal as internal
     for module in (engine, internal):
         assert ".pool" not in inspect.getsource(module), module.__name__
+
+
+def test_an_idle_engine_drops_expired_pins(tiny_llama_dir):
+    """Pins expire between steps, also when no request runs (a prefill worker whose pins no
+    decode worker pulled must not hold their blocks until the next request)."""
+    import time
+
+    from xlserve.worker.async_engine import AsyncEngine
+    llm = _llm(tiny_llama_dir)
+    llm.generate(PROMPT, SamplingParams(max_tokens=1))
+    engine = AsyncEngine(llm.engine, max_waiting=8)
+    try:
+        hashes = llm.engine.prompt_block_hashes(PROMPT)
+        engine.call_blocking(lambda e: e.kv.pin(hashes, seconds=0.2))
+        assert engine.call_blocking(lambda e: e.stats())["kv_pins"] == 1
+        time.sleep(1.5)  # past the pin's 0.2 s and the idle loop's 0.5 s wait; no request runs
+        assert not llm.engine.has_unfinished_requests()
+        stats = engine.call_blocking(lambda e: e.stats())
+        assert stats["kv_pins"] == 0 and stats["kv_blocks_used"] == 0
+    finally:
+        engine.shutdown()

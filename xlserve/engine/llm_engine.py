@@ -127,6 +127,14 @@ class LLMEngine:
         self.steps_by_path: collections.Counter = collections.Counter()  # DecodePath -> steps taken
         self.num_failed_requests = 0
 
+    def between_steps(self) -> None:
+        """What the engine does between steps, also while idle: notice an exited rank
+        (``EngineFatal``) and drop expired KV pins. Expiry used to run only inside ``step``,
+        so on an idle prefill worker a pin no decode worker pulled held its blocks (and the
+        pins gauge) until the next request came; the soak found one after 60 idle seconds."""
+        self.check_ranks()
+        self.kv.expire_pins()
+
     def check_ranks(self) -> None:
         """``EngineFatal`` when another tensor-parallel rank has exited (checked between steps,
         so an idle worker notices too)."""

@@ -239,7 +239,7 @@ class AsyncEngine(EngineClient):
                         self._handle(self._commands.get_nowait())
                 except queue.Empty:
                     pass
-                self.engine.check_ranks()
+                self.engine.between_steps()
                 if self.engine.has_unfinished_requests():
                     self.step_started = time.monotonic()
                     for out in self.engine.step():
