@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 
+from xlserve.allocator import limit_malloc_arenas
 from xlserve.cli_args import add_config_args, config_from_args
 from xlserve.config import (
     ROUTER,
@@ -237,6 +238,7 @@ def cmd_train_eagle(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    limit_malloc_arenas()  # before any thread starts (xlserve/allocator.py says why)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
