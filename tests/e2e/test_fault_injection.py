@@ -224,6 +224,8 @@ def test_ten_times_the_admitted_load_is_refused_with_retry_after_and_bounded():
             time.sleep(0.5)
             peak = max(peak, _rss_mib(pids))
         outcomes = burst.finish()
+        early = sum(metric_value(url, "xlserve_router_refused_before_parsing_total", stage=stage)
+                    for stage in ("prefill", "decode"))
         after = Burst(url, clients=4)
         time.sleep(5)
         recovered = after.finish()
@@ -231,10 +233,11 @@ def test_ten_times_the_admitted_load_is_refused_with_retry_after_and_bounded():
     base = sorted(o.end - o.start for o in alone if o.result == "ok")
     refused = [o for o in outcomes if o.result.startswith("429")]
     print(f"alone: {len(base)} ok, p50 {base[len(base) // 2]:.2f} s; 10x: {len(ok)} ok, p50 "
-          f"{ok[len(ok) // 2]:.2f} s, max {ok[-1]:.2f} s, {len(refused)} refused; RSS {idle_rss:.0f} -> "
-          f"peak {peak:.0f} MiB")
+          f"{ok[len(ok) // 2]:.2f} s, max {ok[-1]:.2f} s, {len(refused)} refused ({early:.0f} before parsing); "
+          f"RSS {idle_rss:.0f} -> peak {peak:.0f} MiB")
     assert {o.result for o in outcomes} <= {"ok", "429"}  # every refusal a 429 with Retry-After
     assert refused and ok
+    assert early > 0  # while every worker of a stage is full, the router refuses without the work
     assert ok[-1] < 10 * base[len(base) // 2] + 5  # an admitted request waits its turn, not forever
     assert peak < idle_rss * 1.2 + 200  # refused requests hold no memory
     assert {o.result for o in recovered} == {"ok"}

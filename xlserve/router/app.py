@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from xlserve.config import ServerConfig
 from xlserve.loader.tokenizer import load_model_tokenizer, prompt_token_ids
 from xlserve.openai.app import build_app
+from xlserve.openai.engine_client import EngineBusy
 from xlserve.openai.errors import error_body
 from xlserve.openai.http_protocol import uvicorn_config
 from xlserve.openai.serving_common import WorkerState
@@ -32,6 +33,7 @@ from xlserve.router.server_template import render_on_server
 
 log = logging.getLogger("xlserve.router")
 SESSION_HEADER = "x-session-affinity"
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,11 @@ def build_router_app(opts: RouterOptions, config: ServerConfig):
     def hook(request: Request) -> None:
         SESSION.set(request.headers.get(SESSION_HEADER))
         SERVED_BY.set([])
+        # Refusing costs nothing here; after parsing, templating, tokenizing and a call to a
+        # worker it cost the 10x-overload test a third of its answers (docs/reliability.md).
+        if request.url.path in GENERATION_PATHS and (stage := pool.full_stage()):
+            metrics.refused_early.labels(stage=stage).inc()
+            raise EngineBusy(f"every {stage} worker is full")
 
     def served_headers() -> dict:
         served = SERVED_BY.get() or []

@@ -28,6 +28,9 @@ class RouterMetrics(WorkerMetrics):
         self.transfer_bytes = Counter("xlserve_kv_transfer_bytes", "KV bytes pulled by decode workers", registry=r)
         self.transfer_seconds = Histogram("xlserve_kv_transfer_seconds", "KV pull latency", registry=r)
         self.transfer_failures = Counter("xlserve_kv_transfer_failures", "KV pulls that failed", registry=r)
+        self.refused_early = Counter("xlserve_router_refused_before_parsing",
+                                     "Requests answered 429 before parsing: every worker of a stage was full",
+                                     ["stage"], registry=r)
         inflight = Gauge("xlserve_router_inflight_tokens", "In-flight tokens per worker", ["worker", "kind"],
                          registry=r)
         for w in pool.workers:

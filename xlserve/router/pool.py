@@ -16,6 +16,9 @@ from xlserve.router.foreign_backends import BACKENDS
 
 log = logging.getLogger(__name__)
 XLSERVE = BackendKind.XLSERVE
+# How long a worker that answered 429 counts as full when none of our requests there ends
+# first: the Retry-After a worker sends, so a slot freed by another client is found again.
+FULL_FOR_S = 1.0
 
 
 @dataclass
@@ -34,6 +37,17 @@ class Worker:
     kv_server: tuple[str, int] | None = None  # its KV transfer server (prefill roles), read from /internal/info
     peers_sent: frozenset | None = None  # KV servers last registered with it (decode roles)
     engine_stats: dict = field(default_factory=dict)  # its engine's counters as of the last health check
+    full_until: float = 0.0  # it answered 429: full until a request of ours there ends, or until then
+
+    def mark_full(self, seconds: float = FULL_FOR_S) -> None:
+        self.full_until = time.monotonic() + seconds
+
+    def mark_free(self) -> None:
+        self.full_until = 0.0
+
+    @property
+    def full(self) -> bool:
+        return time.monotonic() < self.full_until
 
     def forget_process(self) -> None:
         """It may come back as a new process: with another KV port, without registrations,
@@ -109,6 +123,15 @@ class WorkerPool:
     def candidates(self, stage: str, kinds: frozenset | None = frozenset({XLSERVE})) -> list[Worker]:
         """Healthy workers that can take ``stage``, of ``kinds`` (None: any kind)."""
         return [w for w in self.workers if w.can(stage) and (kinds is None or w.kind in kinds)]
+
+    def full_stage(self) -> str | None:
+        """A stage whose every healthy worker answered 429 and has not freed a slot since
+        (None when any has room, or none is known): a request now would only be refused."""
+        for stage in ("prefill", "decode"):
+            workers = self.candidates(stage, None)
+            if workers and all(w.full for w in workers):
+                return stage
+        return None
 
     def mark_down(self, worker: Worker, why: str) -> None:
         if worker.healthy:

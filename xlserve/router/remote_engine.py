@@ -62,8 +62,13 @@ def _logprobs(entries: list[LogprobEntry] | None) -> list[dict] | None:
     return [e.model_dump() for e in entries] if entries is not None else None
 
 
-def answer_error(status: int, body: bytes) -> Exception:
-    return worker_error(error_of(body), status)
+def refusal(worker: Worker, status: int, body: bytes) -> Exception:
+    """A worker's error answer as an exception (``worker_error``); a 429 marks it full, so
+    the router refuses at once, before any parsing, while every worker of a stage is."""
+    error = worker_error(error_of(body), status)
+    if isinstance(error, EngineBusy):
+        worker.mark_full()
+    return error
 
 
 class _Accumulator:
@@ -277,7 +282,8 @@ class RemoteEngine(EngineClient):
         finally:
             worker.prefill_tokens -= len(ids)
         if r.status_code != 200:
-            raise answer_error(r.status_code, r.content)
+            raise refusal(worker, r.status_code, r.content)
+        worker.mark_free()  # its request ended: a slot is free again
         try:
             return GenerateResult.model_validate_json(r.content)
         except ValidationError as e:
@@ -302,11 +308,12 @@ class RemoteEngine(EngineClient):
                 "stream": True, "kv_import": handle.model_dump() if handle is not None else None,
                 "resume_token_ids": list(resume)}
         worker.decode_tokens += len(ids)
-        started = time.monotonic()
+        started, admitted = time.monotonic(), False
         try:
             async with streamed(self.pool.http, "POST", f"{worker.url}/internal/generate", json=body) as r:
                 if r.status_code != 200:
-                    raise answer_error(r.status_code, await r.aread())
+                    raise refusal(worker, r.status_code, await r.aread())
+                admitted = True
                 first_event = True
                 async for line in r.aiter_lines():
                     if not line.startswith("data: {"):
@@ -336,3 +343,5 @@ class RemoteEngine(EngineClient):
                                f"{describe(e)}") from e
         finally:
             worker.decode_tokens -= len(ids)
+            if admitted:
+                worker.mark_free()
