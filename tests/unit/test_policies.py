@@ -1,12 +1,10 @@
 """Routing policies on plain Worker records: exact choices."""
 
-import time
-
 import pytest
 
 from xlserve.router.index import PrefixIndex
 from xlserve.router.policies import CacheAware, LeastTokens, RoundRobin, RouteRequest, SessionAffinity, make_policy
-from xlserve.router.pool import Worker, WorkerPool
+from xlserve.router.pool import Worker
 
 
 def _workers(*loads):
@@ -62,21 +60,3 @@ def test_unknown_policy():
     with pytest.raises(ValueError, match="available"):
         make_policy("random-walk")
 
-
-def test_a_stage_is_full_while_every_healthy_worker_of_it_refused_and_freed_nothing():
-    pool = WorkerPool(["http://127.0.0.1:9001", "http://127.0.0.1:9002"], ["http://127.0.0.1:9003"], [])
-    p1, p2, d = pool.workers
-    assert pool.full_stage() is None
-    p1.mark_full()
-    assert pool.full_stage() is None  # p2 has room
-    p2.mark_full()
-    assert pool.full_stage() == "prefill"
-    p2.mark_free()  # a request of ours there ended
-    assert pool.full_stage() is None
-    p2.healthy = False  # a worker that is down is no room either
-    assert pool.full_stage() == "prefill"
-    p1.mark_free()
-    d.mark_full(0.05)
-    assert pool.full_stage() == "decode"
-    time.sleep(0.06)  # a slot another client freed is looked for again after Retry-After
-    assert pool.full_stage() is None
