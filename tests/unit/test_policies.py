@@ -54,6 +54,26 @@ def test_prefix_index_counts_leading_blocks():
                                                                                "http://c": 0}
     index.forget_worker("http://b")
     assert index.cached_blocks(hashes, ["http://b"]) == {"http://b": 0}
+    assert len(index) == 3  # the block only b held is forgotten
+
+
+def test_prefix_index_forgets_blocks_nobody_holds():
+    """Every block a worker reports removed leaves the index: the soak's router kept an empty
+    entry per block it ever saw (1.3 KiB more RSS a request, up to a million entries)."""
+    index = PrefixIndex()
+    for turn in range(50):  # a worker stores and evicts new blocks, in the pool and a tier
+        hashes = [bytes([turn, i]) * 8 for i in range(4)]
+        index.apply_events("http://a", {"events": [["stored", h.hex()] for h in hashes]
+                                        + [["stored", h.hex(), "host"] for h in hashes[:2]]})
+        index.apply_events("http://a", {"events": [["removed", h.hex()] for h in hashes]
+                                        + [["removed", h.hex(), "host"] for h in hashes[:2]]})
+    assert len(index) == 0
+    index.record([b"x" * 16], "http://a")
+    index.record([b"x" * 16], "http://b", "disk")
+    index.forget_worker("http://a")
+    assert len(index) == 1
+    index.forget_worker("http://b")
+    assert len(index) == 0
 
 
 def test_unknown_policy():

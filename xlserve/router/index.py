@@ -59,10 +59,16 @@ class PrefixIndex:
         while len(self._where) > self.capacity:
             self._where.popitem(last=False)
 
+    def __len__(self) -> int:
+        """Blocks the index knows an owner of."""
+        return len(self._where)
+
     def remove(self, block_hash: bytes, url: str, tier: str = DEVICE) -> None:
         owners = self._where.get(block_hash)
         if owners is not None and owners.get(url) == tier:
             del owners[url]
+            if not owners:  # a hash nobody holds is forgotten: kept, every block ever seen stayed
+                del self._where[block_hash]
 
     def apply_events(self, url: str, feed: dict) -> None:
         """Apply a worker's KV events answer (see ``KVEventLog.since``)."""
@@ -83,8 +89,12 @@ class PrefixIndex:
         return sum(1 for owners in self._where.values() if url in owners)
 
     def forget_worker(self, url: str) -> None:
-        for owners in self._where.values():
-            owners.pop(url, None)
+        emptied = []
+        for block_hash, owners in self._where.items():
+            if owners.pop(url, None) is not None and not owners:
+                emptied.append(block_hash)
+        for block_hash in emptied:
+            del self._where[block_hash]
 
     def cached_blocks(self, hashes: list[bytes], urls: list[str]) -> dict[str, int]:
         """For each url, how many leading blocks of ``hashes`` it is believed to hold or to be
