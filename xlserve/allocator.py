@@ -28,8 +28,7 @@ def limit_malloc_arenas(arenas: int = SERVER_ARENAS) -> bool:
     if os.environ.get("MALLOC_ARENA_MAX") or platform.libc_ver()[0] != "glibc":
         return False
     try:
-        applied = ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, arenas) == 1
+        return ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, arenas) == 1
     except (OSError, AttributeError) as e:  # a libc without mallopt: keep its defaults
         log.debug("mallopt: %s", e)
         return False
-    return applied

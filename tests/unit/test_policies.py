@@ -79,4 +79,3 @@ def test_prefix_index_forgets_blocks_nobody_holds():
 def test_unknown_policy():
     with pytest.raises(ValueError, match="available"):
         make_policy("random-walk")
-

@@ -28,4 +28,3 @@ def test_a_stage_is_full_while_every_healthy_worker_of_it_refused_and_freed_noth
     assert pool.full_stage() == "decode"
     time.sleep(0.06)  # a slot another client freed is looked for again after Retry-After
     assert pool.full_stage() is None
-

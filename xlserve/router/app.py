@@ -80,8 +80,8 @@ def build_router_app(opts: RouterOptions, config: ServerConfig):
     def hook(request: Request) -> None:
         SESSION.set(request.headers.get(SESSION_HEADER))
         SERVED_BY.set([])
-        # Refusing costs nothing here; after parsing, templating, tokenizing and a call to a
-        # worker it cost the 10x-overload test a third of its answers (docs/reliability.md).
+        # Refused here it costs nothing; past this point a refusal costs a parse, a chat
+        # template, a tokenization and a call to a worker (docs/reliability.md, 10x load).
         if request.url.path in GENERATION_PATHS and (stage := pool.full_stage()):
             metrics.refused_early.labels(stage=stage).inc()
             raise EngineBusy(f"every {stage} worker is full")
