@@ -352,6 +352,37 @@ def test_a_worker_failing_before_its_first_token_is_retried_elsewhere(cluster):
     assert metric(cluster["p"], "xlserve_kv_blocks_used") == 0
 
 
+def test_a_prefill_longer_than_the_worker_timeout_is_not_taken_for_a_hang(cluster):
+    """A worker computing a prompt for longer than the router's --worker-timeout sends
+    heartbeats (worker/heartbeat.py), so the router neither fails the request nor marks the
+    worker down: as the prefill of a hand-off (a JSON answer) and as a colocated worker (a
+    stream). One token per engine step, and a prompt sized to this CPU's step time, make the
+    prefill last about four timeouts."""
+    import time
+    timeout, sentence = 1.0, "You are a meticulous travel assistant. "
+    with running_server("--dtype", "float32", "--log-level", "warning", "--max-num-batched-tokens", "1") as slow, \
+            running_server("--prefill", slow, "--decode", cluster["d"], "--worker-timeout", str(timeout),
+                           "--log-level", "warning", command="router") as pd, \
+            running_server("--both", slow, "--worker-timeout", str(timeout), "--log-level", "warning",
+                           command="router") as colocated:
+        began = time.monotonic()
+        usage = _client(slow).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": sentence * 8}],
+                                                      max_tokens=1).usage
+        seconds_per_sentence = (time.monotonic() - began) / usage.prompt_tokens * len(sentence.split()) * 1.3
+        sentences = int(4 * timeout / seconds_per_sentence) + 1
+        for router, stream in ((pd, False), (colocated, True)):
+            # another prompt each time: nothing of it cached
+            kw = dict(model=MODEL, messages=[{"role": "user", "content": f"{router} {sentence * sentences}"}],
+                      max_tokens=3, temperature=0)
+            want = _client(cluster["d"]).chat.completions.create(**kw).choices[0].message.content
+            began = time.monotonic()
+            text = _streamed_text(_client(router), **kw) if stream else \
+                _client(router).chat.completions.create(**kw).choices[0].message.content
+            assert time.monotonic() - began > 2 * timeout  # else this test proves nothing
+            assert text == want
+            assert all(w["healthy"] for w in httpx.get(f"{router}/router/workers").json())
+
+
 def test_logit_bias_colocated_and_disaggregated_streamed_and_not(cluster):
     """+100 on one token makes the answer that token repeated; -100 bans the token greedy
     would pick first. The bias travels to the decode worker (it is in the wire form)."""

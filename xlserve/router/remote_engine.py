@@ -281,7 +281,8 @@ class RemoteEngine(EngineClient):
             raise WorkerFailed(f"prefill request failed: {type(e).__name__} {e}") from e
         finally:
             worker.prefill_tokens -= len(ids)
-        if r.status_code != 200:
+        # a slow answer came as a 200 with heartbeats before its outcome (worker/heartbeat.py)
+        if r.status_code != 200 or r.content.lstrip().startswith(b'{"error"'):
             raise refusal(worker, r.status_code, r.content)
         worker.mark_free()  # its request ended: a slot is free again
         try:

@@ -36,6 +36,7 @@ from xlserve.openai.openapi_doc import document_body
 from xlserve.openai.serving_common import WorkerState, framed_sse, new_id, sse
 from xlserve.sampling_params import SamplingParams
 from xlserve.transfer.base import TransferError, transport
+from xlserve.worker.heartbeat import json_with_heartbeats, with_heartbeats
 from xlserve.worker.messages import (
     GenerateRequest,
     GenerateResult,
@@ -140,26 +141,41 @@ def add_internal_routes(app: FastAPI, state: WorkerState, config: ServerConfig, 
         req = await read_json(request, KVRelease, config.max_body_bytes)
         return {"released": await state.async_engine.call(lambda e, p: e.kv.unpin(p), req.pin_id)}
 
+    def alive() -> bool:  # heartbeats only while the engine steps (worker/heartbeat.py)
+        return state.async_engine.health_problem(config.hang_timeout) is None
+
     @app.post("/internal/generate", dependencies=api)
     async def generate(request: Request):
         req = await read_json(request, GenerateRequest, config.max_body_bytes)
         if req.kv_export and disagg.address is None:
             raise ApiError(400, f"this worker's role is {config.role!r}; kv_export needs prefill or both")
+        if req.stream:
+            pulled, run = await _start(req)
+            events = await start_choices(state.async_engine, run, state.metrics)
+            return EventStreamResponse(with_heartbeats(framed_sse(_stream(events, pulled), events, stream_error),
+                                                       alive))
+        return await json_with_heartbeats(_answer(req), alive, stream_error)
+
+    async def _start(req: GenerateRequest) -> tuple[PullReport | None, RequestRun]:
+        """The pulled KV (``kv_import``) and the run of an internal request."""
         params, handoff = _request_plan(req)
         pulled = None
         if req.kv_import is not None:
             pulled = await disagg.pull(req.kv_import, req.on_pull_failure or config.kv_pull_failure,
                                        list(req.prompt_token_ids))
-        run = RequestRun(req.request_id or new_id("int"), [ChoiceRun(0, list(req.prompt_token_ids), params,
-                                                                         handoff=handoff)])
+        return pulled, RequestRun(req.request_id or new_id("int"),
+                                  [ChoiceRun(0, list(req.prompt_token_ids), params, handoff=handoff)])
+
+    async def _answer(req: GenerateRequest) -> dict:
+        pulled, run = await _start(req)
         events = await start_choices(state.async_engine, run, state.metrics)
-        if req.stream:
-            return EventStreamResponse(framed_sse(_stream(events, pulled), events, stream_error))
-        async for _ in events:
-            pass
-        out = run.choices[0].final
+        try:
+            async for _ in events:
+                pass
+        finally:
+            await events.aclose()
         kv = await disagg.pin(list(req.prompt_token_ids)) if req.kv_export else None
-        return _result(out, pulled, kv).model_dump(mode="json")
+        return _result(run.choices[0].final, pulled, kv).model_dump(mode="json")
 
     return disagg
 
@@ -177,7 +193,9 @@ def _request_plan(req: GenerateRequest) -> tuple[SamplingParams, HandOff]:
 def stream_error(e: Exception) -> dict:
     """The error event of an internal stream; its code tells the router whose fault it is:
     ``request_failed`` (this request only), 400 (the request's input), 429 (busy: retry
-    later), else the worker's."""
+    later), an ``ApiError``'s own, else the worker's."""
+    if isinstance(e, ApiError):
+        return e.body()
     if isinstance(e, RequestFailed):
         return error_body(500, str(e), code="request_failed")
     if isinstance(e, EngineBusy):
