@@ -1,0 +1,62 @@
+"""The batch-invariant CPU attention (``kernels/attention_paged.c``) against attention written
+out in torch, and its promise: a row's bits do not depend on the other rows of the step, on
+how the kernel groups rows and heads into work items, or on the thread count."""
+
+import pytest
+import torch
+
+from xlserve.kernels import attention_ops, portable_library
+
+BUILDS = [isa for isa in portable_library.available_isas() if portable_library.library(isa) is not None]
+pytestmark = pytest.mark.skipif(not BUILDS, reason="no C compiler or not an x86-64 CPU with AVX2")
+# (query heads, KV heads, head dim): the default model's 9/3/64, no grouping, a 16-head group
+# (4 rows a work item instead of 16), and a head dim that is not a whole number of 64-lane blocks
+SHAPES = [(9, 3, 64), (4, 4, 32), (16, 1, 128), (6, 2, 80)]
+
+
+def _step(dtype, hq, hk, d, g):
+    """Two decode rows, a 40-token prompt whole and a 50-token chunk after a 300-token prefix."""
+    lens, chunks = [70, 1, 40, 350], [1, 1, 40, 50]
+    total = sum(lens) + 16
+    k_cache = (3 * torch.randn(total, hk, d, generator=g)).to(dtype)  # wide scores: a peaked softmax
+    v_cache = torch.randn(total, hk, d, generator=g).to(dtype)
+    perm, at, tables, row_seq, row_len = torch.randperm(total, generator=g), 0, [], [], []
+    for s, (n, rows) in enumerate(zip(lens, chunks)):
+        tables.append(perm[at:at + n])
+        at += n
+        row_seq += [s] * rows
+        row_len += range(n - rows + 1, n + 1)
+    table = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True).contiguous()
+    q = torch.randn(len(row_seq), hq, d, generator=g).to(dtype)
+    return q, k_cache, v_cache, table, torch.tensor(row_seq), torch.tensor(row_len)
+
+
+def _reference(q, k_cache, v_cache, table, row_seq, row_len):
+    out = []
+    for t in range(q.shape[0]):
+        slots = table[row_seq[t], :row_len[t]]
+        k, v = (c[slots].transpose(0, 1).unsqueeze(0).float() for c in (k_cache, v_cache))
+        out.append(torch.nn.functional.scaled_dot_product_attention(q[t, :, None].unsqueeze(0).float(), k, v,
+                                                                    enable_gqa=True)[0, :, 0])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("isa", BUILDS, ids=lambda isa: isa.value)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_rows_match_torch_and_keep_their_bits_alone_and_on_any_thread_count(isa, dtype, shape):
+    lib, (hq, hk, d) = portable_library.library(isa), shape
+    step = _step(dtype, hq, hk, d, torch.Generator().manual_seed(hq * d))
+    q, scale = step[0], d ** -0.5
+    got = attention_ops.paged_attention(lib, *step[:3], *step[3:], scale)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.float(), _reference(*step), atol=tol, rtol=tol)
+    for t in (0, 1, 2, 30, 41, 42, q.shape[0] - 1):  # decode rows; first, middle of a prompt; a chunk's edges
+        alone = attention_ops.paged_attention(lib, q[t:t + 1], *step[1:4], step[4][t:t + 1], step[5][t:t + 1], scale)
+        assert torch.equal(alone[0], got[t]), t
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(attention_ops.paged_attention(lib, *step, scale), got)
+    finally:
+        torch.set_num_threads(threads)
