@@ -4,11 +4,12 @@ and generates. Output equals a colocated run; failed pulls follow the policy; no
 block is left behind."""
 
 import json
+import time
 
 import httpx
 import pytest
 
-from tests.e2e.server_process import metric, running_server
+from tests.e2e.server_process import metric, metric_value, running_server
 
 PROMPT_TEXT = ("You are a careful assistant. " * 20) + "Name three rivers in Europe."
 SAMPLING = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
@@ -130,3 +131,37 @@ def test_unregistered_kv_servers_and_foreign_blocks_are_refused_before_any_conne
     httpx.post(f"{p}/internal/kv/release", json={"pin_id": first["kv"]["pin_id"]})
     _wait_unpinned(p)
     assert metric(d, "xlserve_kv_blocks_used") == 0
+
+
+def test_a_caller_that_leaves_during_the_kv_pull_starts_nothing(workers):
+    """The router closes its decode call when its client leaves; a decode worker still pulling
+    then starts nothing for it (it used to submit the request, recomputing a failed pull, and
+    abort it right after)."""
+    import socket
+    p, d = workers
+    ids = _ids(p)[:-3] + [70, 71, 72]
+    first = _generate(p, prompt_token_ids=ids, sampling=SAMPLING, kv_export=True).json()
+    aborted = metric_value(d, "xlserve_request_success_total", finished_reason="abort")
+    with socket.create_server(("127.0.0.1", 0)) as stalling:  # a KV server that answers when told
+        peers = [{"host": first["kv"]["host"], "port": first["kv"]["port"]},
+                 {"host": "127.0.0.1", "port": stalling.getsockname()[1]}]
+        assert httpx.post(f"{d}/internal/kv/peers", json={"peers": peers}).json() == {"peers": 2}
+        body = json.dumps({"prompt_token_ids": ids, "kv_import": {**first["kv"], "port": peers[1]["port"]},
+                           "resume_token_ids": first["token_ids"], "sampling": SAMPLING, "stream": True,
+                           "on_pull_failure": "recompute"}).encode()
+        caller = socket.create_connection(("127.0.0.1", int(d.rsplit(":", 1)[1])))
+        caller.sendall(b"POST /internal/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        stalling.settimeout(30)
+        pull, _ = stalling.accept()  # the decode worker is pulling
+        caller.close()  # and its caller leaves
+        time.sleep(1)
+        pull.close()  # the pull fails: recompute, unless nobody waits for the answer
+    time.sleep(2)
+    assert metric_value(d, "xlserve_request_success_total", finished_reason="abort") == aborted  # none submitted
+    assert metric(d, "xlserve_num_requests_running") == 0
+    kv = httpx.get(f"{p}/internal/info").json()["kv"]
+    assert httpx.post(f"{d}/internal/kv/peers", json={"peers": [{"host": kv["host"], "port": kv["port"]}]},
+                      ).json() == {"peers": 1}
+    httpx.post(f"{p}/internal/kv/release", json={"pin_id": first["kv"]["pin_id"]})
+    _wait_unpinned(p)

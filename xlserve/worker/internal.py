@@ -22,9 +22,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 
 from xlserve.config import ServerConfig, parse_peers
 from xlserve.engine.request import HandOff
@@ -46,6 +47,8 @@ from xlserve.worker.messages import (
     PullReport,
     StreamEvent,
 )
+
+log = logging.getLogger(__name__)
 
 
 class Disaggregation:
@@ -151,6 +154,9 @@ def add_internal_routes(app: FastAPI, state: WorkerState, config: ServerConfig, 
             raise ApiError(400, f"this worker's role is {config.role!r}; kv_export needs prefill or both")
         if req.stream:
             pulled, run = await _start(req)
+            if await request.is_disconnected():  # the router's client left while the KV was pulled
+                log.info("request %s: its caller left during the KV pull; not started", run.request_id)
+                return Response(status_code=204)
             events = await start_choices(state.async_engine, run, state.metrics)
             return EventStreamResponse(with_heartbeats(framed_sse(_stream(events, pulled), events, stream_error),
                                                        alive))
