@@ -21,7 +21,14 @@ import httpx
 
 from xlserve.cli_args import config_to_args
 from xlserve.config import ROUTER, SERVE, WORKER, EngineConfig, KVStoreConfig, ServerConfig, SupervisorConfig
-from xlserve.supervisor import Supervisor, WorkerProcess, die_with_parent, raise_on_sigterm, stop_processes
+from xlserve.supervisor import (
+    Supervisor,
+    WorkerProcess,
+    die_with_parent,
+    raise_on_sigterm,
+    stop_on_interrupt,
+    stop_processes,
+)
 
 log = logging.getLogger("xlserve.serve")
 STARTUP_TIMEOUT_S = 600
@@ -170,6 +177,7 @@ def _serve(engine: EngineConfig, server: ServerConfig, colocated: bool, policy: 
         run_worker(engine, server)
         return
     raise_on_sigterm()
+    stop_on_interrupt()
     if server.port == 0:  # the router is restarted on the same port: fix it now
         server = dataclasses.replace(server, port=free_port())
     key = secrets.token_hex(16)  # workers listen on loopback and still want a key: only the router has it

@@ -164,6 +164,14 @@ def raise_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def stop_on_interrupt() -> None:
+    """SIGINT raises KeyboardInterrupt here even when this process started with it ignored (a
+    background job of a script: ``nohup xlserve serve &``). Its children are uvicorn servers,
+    which stop on SIGINT whatever they inherit: with the signal ignored here, Ctrl-C sent to the
+    group stopped every child and the supervisor restarted them, leaving the stack running."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def stop_on_hangup() -> None:
     """SIGHUP (the terminal closed, ``kill -HUP``) stops a server as SIGTERM does: through
     whichever SIGTERM handler is installed when it arrives (uvicorn's graceful exit, or

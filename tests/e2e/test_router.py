@@ -232,8 +232,12 @@ def test_serve_starts_router_prefill_and_decode_and_ctrl_c_stops_all():
     from tests.e2e.server_process import free_port
     from xlserve.launcher import wait_healthy
     port = free_port()
+
+    def as_a_script_background_job():  # `xlserve serve &` in a script starts with SIGINT ignored
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     proc = subprocess.Popen([sys.executable, "-m", "xlserve.cli", "serve", "--port", str(port), "--log-level",
-                             "warning"], start_new_session=True)
+                             "warning"], start_new_session=True, preexec_fn=as_a_script_background_job,
+                            stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy([(proc, url)])
@@ -246,10 +250,10 @@ def test_serve_starts_router_prefill_and_decode_and_ctrl_c_stops_all():
         assert internal.status_code == 401  # workers want the key only the router holds
     finally:
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the whole process group, as in a terminal
-        proc.wait(timeout=30)
+        log = proc.communicate(timeout=30)[1]
     time.sleep(1)
     leftover = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
-    assert leftover == []
+    assert leftover == [] and "restart" not in log, log
 
 
 def test_killing_the_decode_worker_mid_stream(cluster):
