@@ -71,8 +71,7 @@ def build_workload(tokenizer, repeats: int = 1, seed: int = 0) -> dict:
     return {"chat": chat, "decode_tokens": 128, "batch_tokens": 64,
             "prefill": {n: [rand_ids(int(n)) for _ in range(repeats)] for n in ("1000", "4000")},
             "batches": {str(n): [rand_ids(128) for _ in range(n)] for n in (8, 32)},
-            "cache_pairs": [(first, first[:3900] + rand_ids(100)) for first in firsts],
-            "cache_other": [rand_ids(4000) for _ in range(repeats)]}
+            "cache_pairs": [(first, first[:3900] + rand_ids(100)) for first in firsts]}
 
 
 def file_read_seconds(paths: list[str]) -> float:
