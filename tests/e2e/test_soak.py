@@ -28,7 +28,7 @@ WARMUP_S = 20  # every path taken once: kernels compiled, thread pools at their 
 # filled by the warm-up, then wraps around (evicts) many times in the run.
 KV_TOKENS = 4096
 # tokenizers' BPE word cache keeps the first 10,000 distinct words it sees and then no more:
-# ~10 MiB of the router's ~100, filled within an hour of agentic traffic (the model's answers
+# ~12 MiB of the router's ~100, filled within an hour of agentic traffic (the model's answers
 # come back in the prompts). Side by side over 20 minutes, the router's RSS rose on a line
 # with the cache and flattened without it (docs/reliability.md), so it is filled up front, as
 # the KV pool is.
