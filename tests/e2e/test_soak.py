@@ -29,9 +29,8 @@ WARMUP_S = 20  # every path taken once: kernels compiled, thread pools at their 
 KV_TOKENS = 4096
 # tokenizers' BPE word cache keeps the first 10,000 distinct words it sees and then no more:
 # ~12 MiB of the router's ~100, filled within an hour of agentic traffic (the model's answers
-# come back in the prompts). Side by side over 20 minutes, the router's RSS rose on a line
-# with the cache and flattened without it (docs/reliability.md), so it is filled up front, as
-# the KV pool is.
+# come back in the prompts), a bounded store a short run mistakes for a leak. It is filled up
+# front, as the KV pool is (docs/reliability.md: the router's slope with and without it).
 BPE_CACHE_WORDS = 10_000
 THREAD_SLACK, FILE_SLACK = 3, 6  # pools that idle out and sockets in keep-alive, measured at 2 and 4
 HELD = ("kv_blocks_used", "kv_pins", "running", "waiting", "inflight_tokens")
