@@ -8,8 +8,10 @@ the router with nothing in flight, each process back to its idle threads and fil
 and ``XLSERVE_SOAK_REPORT`` (a path stem: the samples as JSON and a plot) set the run.
 """
 
+import concurrent.futures
 import os
 import random
+import string
 import time
 
 import httpx
@@ -27,11 +29,13 @@ WARMUP_S = 20  # every path taken once: kernels compiled, thread pools at their 
 # block was used once, which a 1-minute run mistakes for a leak. A pool of 4096 tokens is
 # filled by the warm-up, then wraps around (evicts) many times in the run.
 KV_TOKENS = 4096
-# tokenizers' BPE word cache keeps the first 10,000 distinct words it sees and then no more:
-# ~12 MiB of the router's ~100, filled within an hour of agentic traffic (the model's answers
-# come back in the prompts), a bounded store a short run mistakes for a leak. It is filled up
-# front, as the KV pool is (docs/reliability.md: the router's slope with and without it).
+# tokenizers' BPE word cache keeps the first 10,000 distinct words a thread sees and then no
+# more, one cache per tokenizing thread (the preprocessor's two): ~3.3 MiB each, filled within
+# hours of agentic traffic (the model's answers come back in the prompts), a bounded store a
+# short run mistakes for a leak. Both are filled up front, as the KV pool is
+# (docs/reliability.md: the router's slope with and without).
 BPE_CACHE_WORDS = 10_000
+PREPROCESS_THREADS = 2  # serving_common.Preprocessor's
 THREAD_SLACK, FILE_SLACK = 3, 6  # pools that idle out and sockets in keep-alive, measured at 2 and 4
 HELD = ("kv_blocks_used", "kv_pins", "running", "waiting", "inflight_tokens")
 
@@ -61,13 +65,16 @@ def _fill_the_pools(url: str) -> None:
 
 
 def _fill_the_tokenizer_caches(url: str) -> None:
-    """More distinct words than the BPE cache keeps, through the router's tokenizer."""
-    rng = random.Random(0)
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    for _ in range(2):
-        words = " ".join("".join(rng.choices(letters, k=rng.randint(5, 9))) for _ in range(BPE_CACHE_WORDS * 6 // 10))
+    """More distinct words than a word cache keeps, through the router's tokenizer, sent at
+    once so that each preprocessing thread tokenizes at least one batch."""
+    def fill(seed: int) -> None:
+        rng = random.Random(seed)
+        words = " ".join("".join(rng.choices(string.ascii_lowercase, k=rng.randint(5, 9)))
+                         for _ in range(BPE_CACHE_WORDS * 12 // 10))
         r = httpx.post(f"{url}/tokenize", timeout=60, json={"model": MODEL, "prompt": words})
         assert r.status_code == 200, r.text
+    with concurrent.futures.ThreadPoolExecutor(2 * PREPROCESS_THREADS) as pool:
+        list(pool.map(fill, range(2 * PREPROCESS_THREADS)))
 
 
 def test_soak_through_the_router_leaks_nothing():
