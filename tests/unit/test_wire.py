@@ -66,7 +66,7 @@ EXAMPLES = [
                     kv_import=HANDLE, resume_token_ids=[7], on_pull_failure="fail"),
     GenerateResult(request_id="r", token_ids=[5], text="Hi", finish_reason=FinishReason.PAUSED, prompt_tokens=2,
                    cached_tokens=0, logprobs=[LogprobEntry(token_id=5, logprob=-0.1, top=[(5, -0.1)])], kv=HANDLE),
-    StreamEvent(token_ids=[6], text=" there", finish_reason=FinishReason.STOP, prompt_tokens=2, cached_tokens=16,
+    StreamEvent(token_ids=[6], text=" there and back", finish_reason=FinishReason.STOP, prompt_tokens=2, cached_tokens=16,
                 kv_import=REPORT),
 ]
 
@@ -77,3 +77,29 @@ def test_every_message_type_round_trips_and_refuses_unknown_fields(message):
     assert cls.model_validate_json(message.model_dump_json()) == message
     with pytest.raises(ValueError):
         cls.model_validate_json(json.dumps({**message.model_dump(mode="json"), "surprise": 1}))
+
+
+@pytest.mark.parametrize("message", [m for m in EXAMPLES if not isinstance(m, PullReport)],
+                         ids=lambda m: type(m).__name__)
+def test_parsing_keeps_no_string_value_alive(message):
+    """pydantic-core caches the strings it parses unless told not to; a message's values
+    (block hashes, pin ids, secrets) never repeat, so each parse must build its own."""
+    body = message.model_dump_json()
+    first, second = type(message).model_validate_json(body), type(message).model_validate_json(body)
+    # long values only: a Literal field's value ("fail") is the schema's own string
+    strings = [(a, b) for a, b in zip(_strings(first), _strings(second)) if len(a) > 8]
+    assert strings and not [a for a, b in strings if a is b]
+
+
+def _strings(model) -> list[str]:
+    """Every string value of a parsed message, depth first."""
+    out = []
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        values = value if isinstance(value, list) else [value]
+        for v in values:
+            if isinstance(v, str) and not isinstance(v, FinishReason):
+                out.append(v)
+            elif hasattr(type(v), "model_fields"):
+                out += _strings(v)
+    return out
