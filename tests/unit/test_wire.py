@@ -66,8 +66,8 @@ EXAMPLES = [
                     kv_import=HANDLE, resume_token_ids=[7], on_pull_failure="fail"),
     GenerateResult(request_id="r", token_ids=[5], text="Hi", finish_reason=FinishReason.PAUSED, prompt_tokens=2,
                    cached_tokens=0, logprobs=[LogprobEntry(token_id=5, logprob=-0.1, top=[(5, -0.1)])], kv=HANDLE),
-    StreamEvent(token_ids=[6], text=" there and back", finish_reason=FinishReason.STOP, prompt_tokens=2, cached_tokens=16,
-                kv_import=REPORT),
+    StreamEvent(token_ids=[6], text=" there and back", finish_reason=FinishReason.STOP, prompt_tokens=2,
+                cached_tokens=16, kv_import=REPORT),
 ]
 
 
