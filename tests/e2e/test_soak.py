@@ -19,6 +19,7 @@ import httpx
 from tests.e2e.load import MODEL, AgenticLoad
 from tests.e2e.process_sampler import ProcessSampler, fifth_ratio, growth, write_report
 from tests.e2e.server_process import PROCESSES, running_server
+from xlserve.openai.serving_common import PREPROCESS_THREADS
 
 MINUTES = float(os.environ.get("XLSERVE_SOAK_MINUTES", "1"))
 CLIENTS = int(os.environ.get("XLSERVE_SOAK_CLIENTS", "4"))
@@ -35,7 +36,6 @@ KV_TOKENS = 4096
 # short run mistakes for a leak. Both are filled up front, as the KV pool is
 # (docs/reliability.md: the router's slope with and without).
 BPE_CACHE_WORDS = 10_000
-PREPROCESS_THREADS = 2  # serving_common.Preprocessor's
 THREAD_SLACK, FILE_SLACK = 3, 6  # pools that idle out and sockets in keep-alive, measured at 2 and 4
 HELD = ("kv_blocks_used", "kv_pins", "running", "waiting", "inflight_tokens")
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 PROBE = """
-import os, threading
+import os
 from tokenizers import Tokenizer, models, pre_tokenizers
 from xlserve.loader.tokenizer import Tokenizer as XlTokenizer
 from xlserve.openai.serving_common import Preprocessor

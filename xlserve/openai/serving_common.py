@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # the router's state holds a RouterFront instead, and never i
     from xlserve.engine.llm_engine import LLMEngine
 
 T = TypeVar("T")
+PREPROCESS_THREADS = 2  # parse, template and tokenize at once; each keeps its own word cache
 
 
 class Preprocessor:
@@ -28,7 +29,7 @@ class Preprocessor:
     request never stalls the event loop (tokenizing 7 MB takes seconds). The time a
     request may take grows with its body: ``base_s`` plus ``per_mib_s`` per MiB."""
 
-    def __init__(self, threads: int = 2, base_s: float = 10.0, per_mib_s: float = 5.0):
+    def __init__(self, threads: int = PREPROCESS_THREADS, base_s: float = 10.0, per_mib_s: float = 5.0):
         # Tokenize on these threads, not on rayon's: tokenizers (0.23 on) keeps its BPE word
         # cache per thread (10,000 words, ~0.33 KiB each), and a one-text encode runs on any
         # of rayon's one-per-core workers, so a server's cache memory grew with the host's

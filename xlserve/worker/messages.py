@@ -31,7 +31,7 @@ class Request(BaseModel):
 
 
 class Answer(BaseModel):
-    model_config = ConfigDict(extra="forbid", **STRINGS)
+    model_config = ConfigDict(extra="forbid") | STRINGS
 
 
 class KVHandle(Request):
