@@ -135,6 +135,13 @@ class ParallelConfig:
     expert_parallel: bool = _opt(False, "Mixture-of-experts layers: give each tensor-parallel rank whole experts (an "
                                  "equal share) instead of a slice of every expert; the router, attention and "
                                  "shared experts stay split as without it.")
+    data_parallel_attention: bool = _opt(False, "With --expert-parallel: each rank holds all of attention and "
+                                         "its own requests' KV cache (rank 0 schedules every rank's batch and "
+                                         "places each new request where its prefix is cached and the queue is "
+                                         "short), and only the routed experts are split; a MoE layer sends "
+                                         "each token to the ranks that hold its experts and back (two "
+                                         "all-to-alls) instead of every rank computing every token. For many "
+                                         "concurrent requests on models whose KV heads do not split (MLA).")
     pipeline_parallel_size: int = _opt(1, "Pipeline stages: each holds a run of consecutive layers (balanced by "
                                        "their planned compute per token, the head counted on the last), with "
                                        "tensor-parallel-size ranks of its own. A step's batch is cut into as "
@@ -173,6 +180,10 @@ class ParallelConfig:
             raise ValueError("several nodes need --master-port: the port on node 0 where every node's ranks meet")
         if not 0 <= self.master_port < 65536:
             raise ValueError(f"master_port must be in 0..65535, got {self.master_port}")
+        if self.data_parallel_attention and not (self.expert_parallel and self.tensor_parallel_size > 1
+                                                 and self.pipeline_parallel_size == 1):
+            raise ValueError("data_parallel_attention needs expert_parallel over tensor_parallel_size > 1 ranks and "
+                             "one pipeline stage (its ranks share the experts and each runs its own requests)")
         if self.distributed_timeout <= 0:
             raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
 

@@ -27,18 +27,25 @@ def _run(path: str, **options) -> list:
         again = llm.generate(prompts[:2], params)  # prefix-cache hits
         seeded = llm.generate(prompts[1:3], SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=11,
                                                            ignore_eos=True, logprobs=0))  # rank 0 draws
+        if options.get("data_parallel_attention"):
+            assert min(llm.engine.scheduler.placed) >= 3  # each rank ran requests of its own
         return first + again + seeded
 
 
-@pytest.mark.parametrize("arch,expert_parallel", [(a, False) for a in DENSE + MOE] + [(a, True) for a in MOE])
-def test_two_ranks_equal_one(tiny_model_dirs, arch, expert_parallel):
+@pytest.mark.parametrize("arch,expert_parallel,data_parallel_attention",
+                         [(a, False, False) for a in DENSE + MOE] + [(a, True, False) for a in MOE]
+                         + [(a, True, True) for a in MOE])
+def test_two_ranks_equal_one(tiny_model_dirs, arch, expert_parallel, data_parallel_attention):
     """MoE layers split each expert's columns, or with expert parallelism give each rank
-    half the experts; latent attention splits its heads and keeps the latent whole."""
+    half the experts; latent attention splits its heads and keeps the latent whole. With
+    data-parallel attention each rank runs its own requests (both ranks get some: the
+    batch's prompts are spread) and tokens travel to their experts' rank and back."""
     path = tiny_model_dirs[arch]
     if arch not in _SINGLE:
         _SINGLE[arch] = _run(path)
     single = _SINGLE[arch]
-    split = _run(path, tensor_parallel_size=2, expert_parallel=expert_parallel)
+    split = _run(path, tensor_parallel_size=2, expert_parallel=expert_parallel,
+                 data_parallel_attention=data_parallel_attention)
     for a, b in zip(single, split):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):

@@ -22,6 +22,7 @@ from xlserve.engine.kv_blocks import DTYPE_NAMES, KVLayout
 from xlserve.engine.kv_groups import plan_groups
 from xlserve.engine.model_runner import ModelRunner, RunnerOutput
 from xlserve.engine.outputs import CompletionOutput, RequestOutput
+from xlserve.engine.rank_schedulers import RankSchedulers
 from xlserve.engine.request import FinishReason, HandOff, Request
 from xlserve.engine.scheduler import Scheduler, SchedulerOutput
 from xlserve.hashing import BlockHash, block_hashes
@@ -41,9 +42,11 @@ log = logging.getLogger(__name__)
 def pool_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
     """The KV pool's block count, the same on every rank: each holds its share of the KV heads
     (so --kv-cache-memory GiB per rank hold that many times more tokens), or all of a shared
-    entry (MLA's latent), for its pipeline stage's layer slots (the fullest stage sets the count)."""
+    entry (MLA's latent), for its pipeline stage's layer slots (the fullest stage sets the count);
+    with data-parallel attention every head of its own requests."""
     p, arch = config.parallel, loaded.arch
-    rank = TensorParallel(size=p.tensor_parallel_size).kv_cache_spec(arch.kv_cache_spec)
+    heads_split = 1 if p.data_parallel_attention else p.tensor_parallel_size  # each rank its own requests' KV
+    rank = TensorParallel(size=heads_split).kv_cache_spec(arch.kv_cache_spec)
     slots = max(len(s) for s in stage_slots(arch, p.pipeline_parallel_size))
     return config.cache.total_blocks(rank.bytes_per_token(slots, loaded.dtype.itemsize))
 
@@ -93,8 +96,7 @@ class LLMEngine:
             agree(self.loaded, self.num_blocks, self.block_size)
             self.ranks.stage_slots = stage_slots(arch, config.parallel.pipeline_parallel_size)
         self.kv_plan = plan_groups(arch)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.max_model_len,
-                                   self.kv_plan.groups)
+        self.scheduler = self._scheduler(config)
         self.guided = GuidedDecoding(self.tokenizer, arch.vocab_size) if self.tokenizer else None
         self.runner = ModelRunner(self.loaded, self.num_blocks, self.block_size, self.guided,
                                   config.model.cuda_graphs, self.max_model_len,
@@ -116,6 +118,9 @@ class LLMEngine:
                 tiers.close()
                 raise
         self.proposer = make_proposer(config, self.loaded)
+        if self.proposer is not None and self.proposer.wants_hidden and config.parallel.data_parallel_attention:
+            raise ValueError("--speculative eagle reads hidden states on rank 0; with --data-parallel-attention they "
+                             "are on every rank: choose ngram, suffix or draft")
         self.runner.keep_hidden = self.proposer is not None and self.proposer.wants_hidden
         self.draft_lengths: dict[str, DraftLength] = {}
         self.step_costs = StepCosts()  # decode steps timed by rows: what a proposal's row costs here
@@ -126,6 +131,14 @@ class LLMEngine:
         self.num_steps = 0
         self.steps_by_path: collections.Counter = collections.Counter()  # DecodePath -> steps taken
         self.num_failed_requests = 0
+
+    def _scheduler(self, config: EngineConfig) -> Scheduler | RankSchedulers:
+        """One scheduler for the pool; with data-parallel attention one per rank's pool, all here."""
+        def one() -> Scheduler:
+            return Scheduler(config.scheduler, config.cache, self.num_blocks, self.max_model_len, self.kv_plan.groups)
+        if config.parallel.data_parallel_attention:
+            return RankSchedulers([one() for _ in range(config.parallel.world_size)])
+        return one()
 
     def between_steps(self) -> None:
         """What the engine does between steps, also while idle: notice an exited rank

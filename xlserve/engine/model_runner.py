@@ -21,9 +21,10 @@ from xlserve.engine.sampler import Sampler, apply_penalties
 from xlserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from xlserve.kernels import cpu_ops, portable_library
 from xlserve.layers.attention import AttentionMetadata, PrefillChunk, additive_mask, block_table, decode_context
+from xlserve.layers.moe import SparseMoE
 from xlserve.loader.model_loader import LoadedModel
 from xlserve.models.arch import FEATURES
-from xlserve.parallel import pipeline_parallel, tensor_parallel
+from xlserve.parallel import expert_exchange, pipeline_parallel, tensor_parallel
 from xlserve.parallel.pipeline_parallel import micro_batches
 from xlserve.parallel.ranks import out_of_step
 from xlserve.speculative.verifier import verify
@@ -56,6 +57,9 @@ class ModelRunner:
         # several ranks, rank 0: tells the others each step before running its own part
         self.announce = announce
         self.tp, self.stage = tensor_parallel.current(), pipeline_parallel.current()
+        self.exchange = expert_exchange.current()  # data-parallel attention: each rank runs its own rows
+        # what a rank without rows of its own still runs: its experts, for the others' tokens
+        self.moe_layers = [m for m in self.model.modules() if isinstance(m, SparseMoE)] if self.exchange.active else []
         arch = self.arch = loaded.arch
         self.dtype = loaded.dtype
         self.deterministic = loaded.deterministic
@@ -84,7 +88,8 @@ class ModelRunner:
         self.matchers: dict[str, object] = {}  # request id -> grammar matcher
         self.keep_hidden = False  # an EAGLE head reads the hidden states: each step returns them
         self.graphs = None
-        single = self.tp.size == 1 and self.stage.count == 1  # graphs do not capture the ranks' collectives
+        # graphs do not capture the ranks' collectives
+        single = self.tp.size == 1 and self.stage.count == 1 and not self.exchange.active
         if cuda_graphs and self.device.type == "cuda" and not self.kv_plan.windowed and single:  # group 0 only
             self.graphs = DecodeGraphs(self.model, self.device, self.dtype, block_size, num_blocks,
                                        max_context or arch.max_position_embeddings)
@@ -223,6 +228,11 @@ class ModelRunner:
         # rows that check proposals take the CPU kernels too: each writes every row's K/V before
         # any row attends (decode_attention.c, decode_step.c), and a row reads up to its own position
         cpu_kernels = self._kernels_apply()
+        if self.exchange.active:  # every rank runs its own rows (or none) and rank 0 samples them all
+            with out_of_step():
+                self.announce(output, DecodePath.EAGER, cpu_kernels)
+                logits, sampling, path = self._forward_own_rows(output.scheduled, cpu_kernels)
+            return RunnerOutput(decode_path=path) if logits is None else self._sample(logits, sampling, path)
         rows = as_rows(output.scheduled)
         path = self.plan(rows, cpu_kernels)
         if path is DecodePath.CUDA_GRAPH:
@@ -246,7 +256,28 @@ class ModelRunner:
     def follow(self, scheduled: list[ScheduledRequest], path: DecodePath, cpu_kernels: bool) -> None:
         """A rank other than 0: rank 0's step on this rank's part (logits included where it
         computes them: they go to rank 0, which samples)."""
-        self._forward(scheduled, path, cpu_kernels)
+        if self.exchange.active:
+            self._forward_own_rows(scheduled, cpu_kernels)
+        else:
+            self._forward(scheduled, path, cpu_kernels)
+
+    def _forward_own_rows(self, scheduled: list[ScheduledRequest],
+                          cpu_kernels: bool) -> tuple[torch.Tensor | None, list[ScheduledRequest], DecodePath]:
+        """Data-parallel attention: this rank's chunks through the model on the path it plans for
+        them, or only its experts for the others' tokens when it has none; the sampling rows'
+        logits of every rank to rank 0 (with the chunks they belong to, in rank order)."""
+        exchange, path, logits = self.exchange, DecodePath.EAGER, None
+        mine = [s for s in scheduled if s.dp_rank == exchange.rank]
+        if mine:
+            path = self.plan(as_rows(mine), cpu_kernels)
+            logits, _ = self._forward(mine, path, cpu_kernels)
+        else:
+            for moe in self.moe_layers:  # the same exchanges, in the same order, as a forward makes
+                moe(torch.empty(0, self.arch.hidden_size, dtype=self.dtype, device=self.device))
+        counts = [sum(1 + s.num_proposed for s in scheduled if s.dp_rank == r and s.sample)
+                  for r in range(exchange.size)]
+        logits = exchange.gather_logits(logits, counts, self.arch.vocab_size, self.device)
+        return logits, [s for r in range(exchange.size) for s in scheduled if s.dp_rank == r and s.sample], path
 
     def _forward(self, scheduled: list[ScheduledRequest], path: DecodePath,
                  cpu_kernels: bool) -> tuple[torch.Tensor | None, list[ScheduledRequest]]:

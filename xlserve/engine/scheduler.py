@@ -37,6 +37,7 @@ class ScheduledRequest:
     output_token_ids: list[int] | None = None
     window_block_ids: tuple[list[int], ...] = ()  # windowed groups' tables (-1: freed, outside the window)
     num_proposed: int = 0  # speculative decoding: the last this many of token_ids are proposals to check
+    dp_rank: int = 0  # data-parallel attention: the rank whose KV pool the blocks are in, which runs the chunk
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from xlserve.layers.mlp import MLP
 from xlserve.layers.quantized import QuantizedExperts, QuantizedWeight
 from xlserve.loader.lazy_tensor import whole
 from xlserve.models.arch import ModelArch, Router
-from xlserve.parallel import tensor_parallel
+from xlserve.parallel import expert_exchange, tensor_parallel
 
 # checkpoint expert projection -> (our stacked weight, part): Mixtral's w1/w3/w2, Qwen's names
 EXPERT_PARTS = {"w1": ("w_gate_up", "gate"), "w3": ("w_gate_up", "up"), "w2": ("w_down", "down"),
@@ -93,7 +93,10 @@ class SparseMoE(nn.Module):
     parallelism each rank holds every expert's slice of the intermediate columns, or with
     ``--expert-parallel`` whole experts (an equal share of them); either way each rank adds up
     its part of every token's output (the tokens are the same on every rank) and one
-    all-reduce per layer combines them, the shared expert's part included."""
+    all-reduce per layer combines them, the shared expert's part included. With
+    ``--data-parallel-attention`` each rank has its own tokens: they go to the ranks that hold
+    their experts and come back (``expert_exchange.py``); the shared expert is whole on every
+    rank and nothing is reduced."""
 
     def __init__(self, arch: ModelArch):
         super().__init__()
@@ -101,8 +104,12 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k = arch.num_experts, arch.num_experts_per_tok
         self.size = arch.moe_intermediate_size  # an expert's whole width
         hidden = arch.hidden_size
-        by_expert = tp.expert_parallel and tp.size > 1
-        self.experts = tp.span(arch.num_experts, "experts") if by_expert else slice(0, arch.num_experts)
+        self.exchange = exchange = expert_exchange.current()
+        by_expert = (tp.expert_parallel and tp.size > 1) or exchange.active
+        if exchange.active:
+            self.experts = exchange.experts(arch.num_experts)
+        else:
+            self.experts = tp.span(arch.num_experts, "experts") if by_expert else slice(0, arch.num_experts)
         self.columns = tp.span(self.size, "expert columns") if tp.size > 1 and not by_expert else slice(0, self.size)
         local, width = self.experts.stop - self.experts.start, self.columns.stop - self.columns.start
         self.gate = ExpertRouter(arch)
@@ -216,26 +223,65 @@ class SparseMoE(nn.Module):
                 for e in range(self.num_experts)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = self.gate(x)
-        flat = experts.flatten()
-        order = flat.argsort(stable=True)  # token slots grouped by expert
-        tokens = order // self.top_k
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, count in enumerate(counts):
-            local = expert - self.experts.start
-            if count and 0 <= local < self.local_experts:  # another rank's expert: its part, not ours
-                rows = tokens[start:start + count]
-                weight = weights.flatten()[order[start:start + count]].unsqueeze(1)
-                y = self.expert(local, x[rows] * weight) if self.scale_input else self.expert(local, x[rows]) * weight
-                out.index_add_(0, rows, y.to(x.dtype))
-            start += count
+        out = self._exchanged(x) if self.exchange.active else self._routed(x)
         if self.shared_expert_gate is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         elif self.shared_expert is not None:
             out += self.shared_expert(x)
         return self.tp.all_reduce(out)
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The token slots grouped by expert (sorted once): their experts, token rows and weights."""
+        if not len(x):  # a rank with no rows of its own still exchanges (the router cannot take none)
+            return torch.empty(0, dtype=torch.long, device=x.device), torch.empty(
+                0, dtype=torch.long, device=x.device), x.new_empty(0, 1)
+        weights, experts = self.gate(x)
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)
+        return flat[order], order // self.top_k, weights.flatten()[order].unsqueeze(1)
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's experts' part of every token's output (each active expert one matmul)."""
+        experts, tokens, weights = self._route(x)
+        counts = torch.bincount(experts, minlength=self.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            local = expert - self.experts.start
+            if count and 0 <= local < self.local_experts:  # another rank's expert: its part, not ours
+                rows, weight = tokens[start:start + count], weights[start:start + count]
+                y = self.expert(local, x[rows] * weight) if self.scale_input else self.expert(local, x[rows]) * weight
+                out.index_add_(0, rows, y.to(x.dtype))
+            start += count
+        return out
+
+    def _exchanged(self, x: torch.Tensor) -> torch.Tensor:
+        """Every token's routed experts, wherever they live: the rows go to their experts' ranks
+        (grouped by expert, so by rank), come back in the same order, and are weighed and
+        added in expert order, as ``_routed`` adds them on one rank."""
+        experts, tokens, weights = self._route(x)
+        rows = x[tokens] * weights if self.scale_input else x[tokens]
+        exchange = self.exchange
+        sending = torch.bincount(experts // self.local_experts, minlength=exchange.size).tolist()
+        receiving = exchange.counts(sending, x.device)
+        got = exchange.move(rows, sending, receiving)
+        got_experts = exchange.move(experts % self.local_experts, sending, receiving)
+        y = exchange.move(self._run_local(got, got_experts), receiving, sending)
+        if not self.scale_input:
+            y = y * weights
+        return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
+
+    def _run_local(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Rows that came for this rank's experts (``experts``: local indices), through them."""
+        order = experts.argsort(stable=True)
+        out = torch.empty_like(rows)
+        start = 0
+        for expert, count in enumerate(torch.bincount(experts, minlength=self.local_experts).tolist()):
+            if count:
+                picked = order[start:start + count]
+                out[picked] = self.expert(expert, rows[picked]).to(rows.dtype)
+                start += count
+        return out
 
     def expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """This rank's expert ``index``'s gated MLP (its columns) over all the rows routed to it:

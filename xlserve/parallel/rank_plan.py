@@ -31,6 +31,7 @@ class PlannedChunk(BaseModel):
     window_block_ids: list[list[int]] = []
     sample: bool
     num_proposed: int = Field(default=0, ge=0)  # the rows that check proposals compute logits too
+    dp_rank: int = Field(default=0, ge=0)  # data-parallel attention: the rank that runs the chunk
 
 
 class PlanKind(str, enum.Enum):
@@ -53,7 +54,7 @@ class RankPlan(BaseModel):
     def of(cls, output: SchedulerOutput, path: DecodePath, cpu_kernels: bool) -> "RankPlan":
         return cls(chunks=[PlannedChunk(token_ids=s.token_ids, start_position=s.start_position, block_ids=s.block_ids,
                                         window_block_ids=[list(t) for t in s.window_block_ids], sample=s.sample,
-                                        num_proposed=s.num_proposed)
+                                        num_proposed=s.num_proposed, dp_rank=s.dp_rank)
                            for s in output.scheduled], path=path, cpu_kernels=cpu_kernels)
 
     def scheduled(self) -> list[ScheduledRequest]:
@@ -61,7 +62,7 @@ class RankPlan(BaseModel):
         return [ScheduledRequest(request_id=str(i), token_ids=c.token_ids, start_position=c.start_position,
                                  block_ids=c.block_ids, sample=c.sample, params=SamplingParams(), seed=None,
                                  output_index=0, window_block_ids=tuple(c.window_block_ids),
-                                 num_proposed=c.num_proposed)
+                                 num_proposed=c.num_proposed, dp_rank=c.dp_rank)
                 for i, c in enumerate(self.chunks)]
 
 

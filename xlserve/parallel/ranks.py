@@ -37,7 +37,7 @@ from xlserve.config import EngineConfig
 from xlserve.engine.errors import FATAL_ERRORS, EngineFatal, describe
 from xlserve.engine.kv_blocks import KVShards
 from xlserve.layers.attention import DecodePath
-from xlserve.parallel import pipeline_parallel, tensor_parallel
+from xlserve.parallel import expert_exchange, pipeline_parallel, tensor_parallel
 from xlserve.parallel.rank_plan import PlanKind, RankPlan, send_plan
 from xlserve.parallel.tensor_parallel import as_bytes
 from xlserve.supervisor import die_with_parent, exit_cause
@@ -62,8 +62,9 @@ def flat_options(config: EngineConfig) -> dict:
 
 
 def join(init_method: str, rank: int, config: EngineConfig):
-    """This process into the group as ``rank``; sets ``tensor_parallel.current()`` and
-    ``pipeline_parallel.current()`` (its layers follow once the model's are known). Returns the plan group."""
+    """This process into the group as ``rank``; sets ``tensor_parallel.current()`` (or with
+    data-parallel attention ``expert_exchange.current()``) and ``pipeline_parallel.current()``
+    (its layers follow once the model's are known). Returns the plan group."""
     import torch.distributed as dist
     p, device = config.parallel, config.model.device
     size, tp = p.world_size, p.tensor_parallel_size
@@ -82,8 +83,11 @@ def join(init_method: str, rank: int, config: EngineConfig):
     # every rank creates every stage's group, in the same order (torch.distributed requires it)
     stage_groups = [dist.new_group(list(range(s * tp, (s + 1) * tp)), timeout=timeout)
                     for s in range(p.pipeline_parallel_size)] if p.pipeline_parallel_size > 1 else [dist.group.WORLD]
-    tensor_parallel.set_current(tensor_parallel.TensorParallel(rank % tp, tp, stage_groups[rank // tp],
-                                                               p.expert_parallel))
+    if p.data_parallel_attention:  # every layer whole but the routed experts, which tokens travel to
+        expert_exchange.set_current(expert_exchange.ExpertExchange(rank, size, dist.group.WORLD))
+    else:
+        tensor_parallel.set_current(tensor_parallel.TensorParallel(rank % tp, tp, stage_groups[rank // tp],
+                                                                   p.expert_parallel))
     pipeline_parallel.set_current(pipeline_parallel.PipelineStage(rank // tp, p.pipeline_parallel_size, rank=rank,
                                                                   tp_size=tp))
     return plan_group
@@ -160,6 +164,7 @@ def _all_gather_bytes(data: bytes, size: int) -> list[bytes]:
 def leave() -> None:
     import torch.distributed as dist
     tensor_parallel.set_current(tensor_parallel.TensorParallel())
+    expert_exchange.set_current(expert_exchange.ExpertExchange())
     pipeline_parallel.set_current(pipeline_parallel.PipelineStage())
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -1,0 +1,176 @@
+"""Data-parallel attention: rank 0 schedules every rank's batch. One ``Scheduler`` per rank,
+each the sole owner of that rank's KV pool (its requests' blocks live there for their whole
+life), behind the interface the engine drives for one.
+
+A new request goes to the rank where it costs least: the tokens already queued there
+(prompt tokens not yet computed, one per decoding request) plus the ones it would compute
+after that rank's prefix-cache hit. A shared system prompt so draws its turns to the rank
+that holds it until that rank's queue outweighs recomputing the prefix elsewhere (then both
+hold it), instead of herding every turn onto one rank or ignoring the cache.
+
+Invariants: a request is in exactly one rank's scheduler, from ``add_request`` until it
+finishes; each step's chunks carry their rank (``ScheduledRequest.dp_rank``); each rank has
+its own token budget and ``max_num_seqs``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+
+from xlserve.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from xlserve.engine.kv_events import KVEventLog
+from xlserve.engine.request import FinishReason, Request
+from xlserve.engine.scheduler import Scheduler, SchedulerOutput
+
+REFUSED = ("a worker with --data-parallel-attention keeps each request's KV on the rank that runs it and does not "
+           "hand KV off yet (prefill/decode roles, KV tiers): serve it colocated")
+
+
+class RankSchedulers:
+    def __init__(self, ranks: list[Scheduler]):
+        self.ranks = ranks
+        self.owner: dict[str, int] = {}  # request id -> its rank
+        self.placed = [0] * len(ranks)  # requests each rank has been given
+        self.requests = collections.ChainMap(*(r.requests for r in ranks))
+        self.kv = RankPools([r.kv for r in ranks])
+        self.loading: dict = {}  # KV tiers are refused: nothing ever loads
+
+    @property
+    def running(self) -> list[Request]:
+        return [req for r in self.ranks for req in r.running]
+
+    @property
+    def waiting(self) -> list[Request]:
+        return [req for r in self.ranks for req in r.waiting]
+
+    @property
+    def num_unfinished(self) -> int:
+        return sum(r.num_unfinished for r in self.ranks)
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(r.num_preemptions for r in self.ranks)
+
+    @property
+    def num_tier_timeouts(self) -> int:
+        return 0
+
+    def add_request(self, request: Request) -> None:
+        rank = min(range(len(self.ranks)), key=lambda r: (self._queued_tokens(r) + self._to_compute(r, request), r))
+        self.owner[request.request_id] = rank
+        self.placed[rank] += 1
+        self.ranks[rank].add_request(request)
+
+    def _queued_tokens(self, rank: int) -> int:
+        s = self.ranks[rank]
+        return sum(req.num_tokens - req.num_computed_tokens for req in itertools.chain(s.running, s.waiting))
+
+    def _to_compute(self, rank: int, request: Request) -> int:
+        return request.num_tokens - self.ranks[rank].kv.get_computed_blocks(request)[1]
+
+    def overdue(self, timeout: float, now: float) -> list[str]:
+        return [rid for r in self.ranks for rid in r.overdue(timeout, now)]
+
+    def schedule(self) -> SchedulerOutput:
+        outputs = [r.schedule() for r in self.ranks]
+        scheduled = [dataclasses.replace(s, dp_rank=rank) for rank, out in enumerate(outputs) for s in out.scheduled]
+        finished = [rid for o in outputs for rid in o.finished_request_ids]
+        for rid in finished:  # those a rank finished itself (a stop, max_tokens) since the last step
+            if rid not in self.requests:  # (an id may be in use again already)
+                self.owner.pop(rid, None)
+        return SchedulerOutput(scheduled, sum(o.num_batched_tokens for o in outputs), finished)
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]],
+               logprobs: dict[str, list[dict]]) -> list[tuple[Request, int]]:
+        advanced = []
+        for rank, scheduler in enumerate(self.ranks):
+            mine = [s for s in output.scheduled if s.dp_rank == rank]
+            advanced += scheduler.update(SchedulerOutput(mine, sum(len(s.token_ids) for s in mine)), sampled, logprobs)
+        return advanced
+
+    def finish(self, request_id: str, reason: FinishReason) -> Request | None:
+        rank = self.owner.pop(request_id, None)
+        return None if rank is None else self.ranks[rank].finish(request_id, reason)
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Nothing loads (KV tiers are refused)."""
+
+
+class RankPools:
+    """The ranks' KV pools as the engine and the server see them: counters summed, block-hash
+    events merged (a hash is stored while any rank holds it), hand-offs refused."""
+
+    def __init__(self, pools: list[KVCacheManager]):
+        self.pools = pools
+        self.events = SharedEvents()
+        for pool in pools:
+            pool.pool.events = self.events
+        self.tiers = None
+        self.layout = None
+
+    def attach(self, kv_caches, layout, shards=None) -> None:
+        self.layout = layout  # the blocks' bytes live on their ranks: nothing reads them here
+
+    def attach_tiers(self, tiers) -> None:
+        raise ValueError(REFUSED)
+
+    def detach_tiers(self) -> None:
+        return None
+
+    def expire_pins(self, now: float | None = None) -> int:
+        return 0
+
+    @property
+    def num_pins(self) -> int:
+        return 0
+
+    def export(self, hashes):
+        raise ValueError(REFUSED)
+
+    export_pinned = import_blocks = pin = export
+
+    def unpin(self, pin_id: str) -> bool:
+        return False
+
+    def blocks_for(self, num_tokens: int, step_tokens: int) -> int:
+        """Per rank: a request's blocks are all on its own."""
+        return self.pools[0].blocks_for(num_tokens, step_tokens)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return sum(p.num_used_blocks for p in self.pools)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(p.num_blocks for p in self.pools)
+
+    @property
+    def stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(sum(p.stats.queried_tokens for p in self.pools),
+                                sum(p.stats.hit_tokens for p in self.pools))
+
+    def events_since(self, since: int, epoch: str) -> dict:
+        return self.events.since(since, epoch, lambda: list({k for p in self.pools for k in p.pool.cached
+                                                             if not isinstance(k, tuple)}))
+
+
+class SharedEvents(KVEventLog):
+    """One journal for every rank's pool: a hash is announced when the first rank caches it
+    and withdrawn when the last one evicts it, so a router's index says what the worker holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.holders: collections.Counter = collections.Counter()
+
+    def stored(self, block_hash, tier: str = "") -> None:
+        self.holders[block_hash] += 1
+        if self.holders[block_hash] == 1:
+            super().stored(block_hash, tier)
+
+    def removed(self, block_hash, tier: str = "") -> None:
+        self.holders[block_hash] -= 1
+        if self.holders[block_hash] <= 0:
+            del self.holders[block_hash]
+            super().removed(block_hash, tier)
