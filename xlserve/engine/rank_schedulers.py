@@ -2,11 +2,12 @@
 each the sole owner of that rank's KV pool (its requests' blocks live there for their whole
 life), behind the interface the engine drives for one.
 
-A new request goes to the rank where it costs least: the tokens already queued there
-(prompt tokens not yet computed, one per decoding request) plus the ones it would compute
-after that rank's prefix-cache hit. A shared system prompt so draws its turns to the rank
-that holds it until that rank's queue outweighs recomputing the prefix elsewhere (then both
-hold it), instead of herding every turn onto one rank or ignoring the cache.
+A new request goes to the rank where it costs least: the tokens its requests have yet to
+compute (a waiting request's cached prefix counted too, one per decoding request) plus the
+ones the new request would compute after that rank's prefix-cache hit. A shared system
+prompt so draws its turns to the rank that holds it until that rank's queue outweighs
+recomputing the prefix elsewhere (then both hold it), instead of herding every turn onto
+one rank or ignoring the cache.
 
 Invariants: a request is in exactly one rank's scheduler, from ``add_request`` until it
 finishes; each step's chunks carry their rank (``ScheduledRequest.dp_rank``); each rank has
@@ -126,7 +127,7 @@ class RankPools:
     def num_pins(self) -> int:
         return 0
 
-    def export(self, hashes):
+    def export(self, *args):
         raise ValueError(REFUSED)
 
     export_pinned = import_blocks = pin = export
