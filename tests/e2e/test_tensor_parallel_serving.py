@@ -11,7 +11,7 @@ import psutil
 import pytest
 from openai import OpenAI
 
-from tests.e2e.server_process import metric, running_server
+from tests.e2e.server_process import metric, metric_value, running_server
 
 COMMON = ("--dtype", "float32", "--log-level", "warning")
 
@@ -173,3 +173,37 @@ def test_a_node_without_the_key_cannot_take_a_rank(tiny_model_dirs, tmp_path):
         for proc in (node0, impostor):
             if proc.poll() is None:
                 proc.kill()
+
+
+def test_data_parallel_attention_serves_concurrent_requests_as_one_process(tiny_model_dirs, tmp_path):
+    """--data-parallel-attention on a MoE model with latent attention (whose KV does not split by
+    head): concurrent completions, spread over both ranks' own KV pools, answer as one process
+    does; a prefill or decode role is refused with the reason (the KV stays on its rank)."""
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.e2e.test_model_families import _with_word_tokenizer
+    model = _with_word_tokenizer(tiny_model_dirs["deepseek_v3"], tmp_path / "deepseek")
+    prompts = [" ".join(f"t{i}" for i in range(start, start + n)) for start, n in ((20, 40), (90, 12), (20, 50),
+                                                                                   (130, 25), (5, 33), (20, 41))]
+
+    def complete(url: str) -> list[str]:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+        model_id = client.models.list().data[0].id
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            return list(pool.map(lambda p: client.completions.create(
+                model=model_id, prompt=p, max_tokens=12, temperature=0,
+                extra_body={"ignore_eos": True}).choices[0].text, prompts))
+    with running_server("--model", model, *COMMON) as single:
+        expected = complete(single)
+    options = ("--model", model, *COMMON, "--tensor-parallel-size", "2", "--expert-parallel",
+               "--data-parallel-attention")
+    with running_server(*options) as split:
+        assert complete(split) == expected
+        placed = [metric_value(split, "xlserve_dp_rank_requests_total", dp_rank=str(r)) for r in (0, 1)]
+        assert sum(placed) == len(prompts) and min(placed) >= 2  # both ranks ran requests of their own
+        assert metric_value(split, "xlserve_dp_rank_kv_blocks_used", dp_rank="1") == 0  # all freed
+    refused = subprocess.run([sys.executable, "-m", "xlserve.cli", "worker", *options, "--role", "prefill"],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "does not hand KV off yet" in refused.stderr

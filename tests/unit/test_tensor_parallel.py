@@ -112,16 +112,20 @@ def hand_off_between_one_and_two(path: str, split: str) -> None:
             assert out.cached_tokens == 64 and out.outputs[0].token_ids == reference
 
 
-@pytest.mark.parametrize("split", ["tensor_parallel_size", "pipeline_parallel_size"])
-def test_a_dead_rank_stops_the_engine_within_the_timeout(tiny_model_dirs, split):
-    """Rank 1 (the other half of every layer, or the second stage) killed between steps:
-    rank 0's next collective or transfer fails, which is fatal (the ranks can no longer stay
-    in step), well before --distributed-timeout."""
+@pytest.mark.parametrize("arch,split", [("llama", {"tensor_parallel_size": 2}),
+                                        ("llama", {"pipeline_parallel_size": 2}),
+                                        ("qwen3_moe", {"tensor_parallel_size": 2, "expert_parallel": True,
+                                                       "data_parallel_attention": True})])
+def test_a_dead_rank_stops_the_engine_within_the_timeout(tiny_model_dirs, arch, split):
+    """Rank 1 (the other half of every layer, the second stage, or the other half of the
+    experts and its own requests) killed between steps: rank 0's next collective or transfer
+    fails, which is fatal (the ranks can no longer stay in step), well before
+    --distributed-timeout."""
     import signal
     import time
 
     from xlserve.engine.errors import EngineFatal
-    llm = LLM(tiny_model_dirs["llama"], dtype="float32", kv_cache_tokens=256, distributed_timeout=20, **{split: 2})
+    llm = LLM(tiny_model_dirs[arch], dtype="float32", kv_cache_tokens=256, distributed_timeout=20, **split)
     try:
         llm.generate(list(range(10, 20)), SamplingParams(max_tokens=2, temperature=0))
         (rank,) = psutil.Process().children()

@@ -452,4 +452,5 @@ class LLMEngine:
             "num_loading": len(self.scheduler.loading),
             "kv_tier_timeouts": self.scheduler.num_tier_timeouts,
             "kv_tiers": kv.tiers.stats() if kv.tiers is not None else {},
+            "dp_ranks": self.scheduler.shares() if isinstance(self.scheduler, RankSchedulers) else [],
         }

@@ -95,6 +95,11 @@ class RankSchedulers:
         rank = self.owner.pop(request_id, None)
         return None if rank is None else self.ranks[rank].finish(request_id, reason)
 
+    def shares(self) -> list[dict]:
+        """Each rank's requests placed so far and KV blocks in use (the metrics' per-rank series)."""
+        return [{"placed": placed, "kv_blocks_used": rank.kv.num_used_blocks}
+                for placed, rank in zip(self.placed, self.ranks)]
+
     def wait_for_loads(self, timeout: float) -> None:
         """Nothing loads (KV tiers are refused)."""
 

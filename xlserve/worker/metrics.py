@@ -88,6 +88,21 @@ class EngineCollector(Collector):
             yield family
         yield from self._speculation(sources)
         yield from self._tiers(sources)
+        yield from self._data_parallel(sources)
+
+    def _data_parallel(self, sources: dict[str, dict]):
+        """Each data-parallel attention rank's share: the requests placed on it, and its own KV pool."""
+        labels = ([self.label] if self.label else []) + ["dp_rank"]
+        placed = CounterMetricFamily("xlserve_dp_rank_requests", "Requests placed on this data-parallel attention "
+                                     "rank (its KV pool holds them)", labels=labels)
+        used = GaugeMetricFamily("xlserve_dp_rank_kv_blocks_used", "KV-cache blocks in use in this rank's pool",
+                                 labels=labels)
+        for who, stats in sources.items():
+            for rank, share in enumerate((stats or {}).get("dp_ranks", [])):
+                values = ([who] if self.label else []) + [str(rank)]
+                placed.add_metric(values, share["placed"])
+                used.add_metric(values, share["kv_blocks_used"])
+        yield from (placed, used)
 
     def _tiers(self, sources: dict[str, dict]):
         labels = ([self.label] if self.label else []) + ["tier"]
