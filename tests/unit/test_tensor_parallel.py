@@ -176,6 +176,17 @@ def test_the_parallel_benchmark_runs(tiny_model_dirs):
     assert "raw read of the files" in parallel_table(results)
 
 
+def test_the_parallel_benchmark_runs_a_moe_with_data_parallel_attention(tiny_model_dirs):
+    from xlserve.bench.parallel_bench import ParallelBenchOptions, parse_layout, run_parallel_bench
+    assert parse_layout("2x1dp")[2] == {"expert_parallel": True, "data_parallel_attention": True}
+    with pytest.raises(ValueError, match="2x1ep or 2x1dp"):
+        parse_layout("2x1xp")
+    results = run_parallel_bench(ParallelBenchOptions(model=tiny_model_dirs["qwen3_moe"], layouts=("2x1ep", "2x1dp"),
+                                                      repeats=1, dtype="float32"))
+    for layout in ("2x1ep", "2x1dp"):
+        assert 0 < results["summary"][layout]["decode_b8"]["collective_share"] < 1
+
+
 @pytest.mark.parametrize("arch,per_rank", [("llama", 0.5), ("deepseek_v3", 1.0)])
 def test_a_pool_of_so_many_gib_per_rank(tiny_model_dirs, arch, per_rank):
     """--kv-cache-memory is per rank: split KV heads fit twice the tokens in it, MLA's latent

@@ -74,7 +74,10 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--model", default="", help="a Hugging Face directory (default: a 0.2B Llama-shaped model "
                    "with random weights, written under --workdir)")
     p.add_argument("--layouts", default="1x1,2x1,1x2", help="comma-separated TPxPP layouts: tensor-parallel "
-                   "ranks per stage x pipeline stages (1x1: one process)")
+                   "ranks per stage x pipeline stages (1x1: one process); for a MoE, TPxPPep splits the experts "
+                   "over the tensor-parallel ranks and TPxPPdp adds data-parallel attention")
+    p.add_argument("--moe", action="store_true", help="without --model: a 0.3B DeepSeek-V3-shaped MoE with random "
+                   "weights (latent attention, 16 experts, 4 a token) instead of the Llama-shaped one")
     p.add_argument("--repeats", type=int, default=3, help="runs of every layout, alternating")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
     p.add_argument("--workdir", default=".bench-parallel", help="where the synthetic model is written")
@@ -233,7 +236,7 @@ def cmd_bench_spec(args) -> int:
 
 def cmd_bench_parallel(args) -> int:
     from xlserve.bench.parallel_bench import ParallelBenchOptions, parallel_table, run_parallel_bench
-    opts = ParallelBenchOptions(model=args.model, layouts=tuple(args.layouts.split(",")),
+    opts = ParallelBenchOptions(model=args.model, moe=args.moe, layouts=tuple(args.layouts.split(",")),
                                 repeats=args.repeats, dtype=args.dtype, workdir=args.workdir)
     results = run_parallel_bench(opts)
     with open(args.out, "w") as f:
