@@ -17,7 +17,7 @@ MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "llama4", "gpt_oss"] 
 _SINGLE: dict[str, list] = {}
 
 
-def _run(path: str, **options) -> list:
+def _run(path: str, check=None, **options) -> list:
     gen = torch.Generator().manual_seed(4)
     shared = torch.randint(3, 320, (40,), generator=gen).tolist()
     prompts = [shared + torch.randint(3, 320, (n,), generator=gen).tolist() for n in (3, 17, 30)] + [shared[:9]]
@@ -29,6 +29,8 @@ def _run(path: str, **options) -> list:
                                                            ignore_eos=True, logprobs=0))  # rank 0 draws
         if options.get("data_parallel_attention"):
             assert min(llm.engine.scheduler.placed) >= 3  # each rank ran requests of its own
+        if check is not None:
+            check(llm)
         return first + again + seeded
 
 
@@ -53,6 +55,18 @@ def test_two_ranks_equal_one(tiny_model_dirs, arch, expert_parallel, data_parall
     assert tensor_parallel.current().size == 1  # closing left the group
 
 
+def test_data_parallel_attention_with_speculation_equals_one_rank(tiny_model_dirs):
+    """Proposals checked on each rank's own rows (several rows a request), sampled on rank 0."""
+    path = tiny_model_dirs["qwen3_moe"]
+    single = _SINGLE.get("qwen3_moe") or _run(path)
+
+    def proposed(llm) -> None:
+        assert llm.engine.spec.proposed > 0 and llm.engine.spec.accepted > 0
+    split = _run(path, check=proposed, tensor_parallel_size=2, expert_parallel=True, data_parallel_attention=True,
+                 speculative="ngram", num_speculative_tokens=3)
+    assert [a.outputs[0].token_ids for a in single] == [b.outputs[0].token_ids for b in split]
+
+
 def test_each_rank_holds_its_share(tiny_model_dirs, caplog):
     """... and reads only that share of the checkpoint (the norms are read whole)."""
     import re
@@ -72,6 +86,20 @@ def test_each_rank_holds_its_share(tiny_model_dirs, caplog):
                      if c.status == psutil.CONN_LISTEN]
         assert listening and set(listening) <= {"127.0.0.1", "::1"}  # one machine: nothing off loopback
     children[0].wait(timeout=30)
+
+
+def test_data_parallel_attention_ranks_hold_every_layer_whole_but_half_the_experts(tiny_model_dirs, caplog):
+    """... (each reading its slices of the memory-mapped files); each rank's KV pool holds every head."""
+    caplog.set_level("INFO", logger="xlserve.loader.model_loader")
+    with LLM(tiny_model_dirs["qwen3_moe"], dtype="float32", kv_cache_tokens=256, tensor_parallel_size=2,
+             expert_parallel=True, data_parallel_attention=True) as llm:
+        assert "rank 0 read" in caplog.text
+        runner = llm.engine.runner
+        layer = runner.model.model.layers[0]
+        assert (layer.self_attn.num_heads, layer.self_attn.num_kv_heads) == (4, 2)  # all of them
+        assert runner.kv_caches[0][0].shape[1] == 2 and runner.model.lm_head.weight.shape[0] == 320
+        assert layer.mlp.local_experts * 2 == layer.mlp.num_experts
+        assert llm.engine.kv.num_blocks == 2 * llm.engine.num_blocks  # a pool on each rank
 
 
 @pytest.mark.parametrize("arch,size,match", [("llama", 3, "attention heads \\(4\\) does not divide over 3"),

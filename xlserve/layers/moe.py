@@ -141,6 +141,8 @@ class SparseMoE(nn.Module):
         [E, size, hidden]: Llama 4, gpt-oss), or GGUF's output-major "gate_exps", "up_exps",
         "down_exps"; a "_bias" part fills the biases the same way (gpt-oss)."""
         expert, part = shard
+        if expert is not None and not self.experts.start <= expert < self.experts.stop:
+            return {(expert, part)}  # another rank's expert: not even read from the file
         if isinstance(loaded, (QuantizedWeight, QuantizedExperts)):
             return self._keep(expert, part, loaded)
         loaded = whole(loaded)  # experts read whole: their slices are not contiguous rows or columns

@@ -22,7 +22,7 @@ from xlserve.loader.safetensors_dir import SafetensorsDir
 from xlserve.loader.tokenizer import Tokenizer, load_gguf_tokenizer, load_hf_tokenizer, load_model_tokenizer
 from xlserve.models.arch import ModelArch
 from xlserve.models.registry import build_model, model_class
-from xlserve.parallel import pipeline_parallel, tensor_parallel
+from xlserve.parallel import expert_exchange, pipeline_parallel, tensor_parallel
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +81,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
     materialize(model, device)
     model.tie_weights()
     tp, stage = tensor_parallel.current(), pipeline_parallel.current()
-    # tensor / pipeline parallel: each rank reads only its slices of the (memory-mapped) safetensors
-    sliced = (tp.size > 1 or stage.count > 1) and source.kind != "gguf"
+    # tensor / pipeline / expert parallel: each rank reads only its slices of the (memory-mapped) safetensors
+    sliced = (tp.size > 1 or stage.count > 1 or expert_exchange.current().active) and source.kind != "gguf"
     keep = config.quantization == "auto"
     weights = (reader.weights(dtype, lazy=True, keep_quantized=keep) if sliced
                else reader.weights(dtype, keep_quantized=keep))

@@ -27,6 +27,9 @@ class PlanConfig:
     gpus: str = _opt("", "Devices: COUNTxGPU (2xH200, 8xH100) or COUNTxSIZE (4x96GiB).")
     tp: int = _opt(0, "Tensor-parallel ranks; 0: every device (divided by --pp).")
     pp: int = _opt(1, "Pipeline stages.")
+    data_parallel_attention: bool = _opt(False, "The --tp ranks split only the routed experts; each keeps "
+                                         "attention, dense layers, shared experts, embedding and head whole and "
+                                         "its own requests' KV (xlserve's --data-parallel-attention).")
     dtype: str = _opt("bfloat16", "Format of the weights the checkpoint does not quantize.",
                       choices=("bfloat16", "float16", "float32"))
     kv_dtype: str = _opt("bfloat16", "KV-cache element type.", choices=("bfloat16", "fp8"))
@@ -60,7 +63,7 @@ def make_plan(config: PlanConfig) -> MemoryPlan:
     hardware = parse_gpus(config.gpus)
     if hardware.count % config.pp:
         raise ValueError(f"--pp {config.pp} does not divide {hardware.count} devices")
-    layout = Layout(config.tp or hardware.count // config.pp, config.pp)
+    layout = Layout(config.tp or hardware.count // config.pp, config.pp, config.data_parallel_attention)
     shape = ServingShape(config.max_num_batched_tokens, config.max_num_seqs, config.cuda_graph_max_batch,
                          activation_bytes=4 if config.dtype == "float32" else 2,
                          kv_bytes={"bfloat16": 2, "fp8": 1}[config.kv_dtype], max_model_len=config.max_model_len)
@@ -72,6 +75,7 @@ def to_json(plan: MemoryPlan) -> dict:
     gib = lambda b: round(b / GIB, 2)  # noqa: E731
     return {
         "model": plan.model, "gpus": str(plan.hardware), "tp": plan.layout.tp, "pp": plan.layout.pp,
+        "data_parallel_attention": plan.layout.dp_attention,
         "gib_per_gpu": gib(plan.hardware.bytes_per_device),
         "weights_gib_per_gpu": gib(plan.weights_per_device),
         "weights_gib_per_gpu_by_format": {k: gib(v) for k, v in plan.weights_by_format().items()},
@@ -82,7 +86,8 @@ def to_json(plan: MemoryPlan) -> dict:
         "kv_bytes_per_token": plan.kv_bytes_per_token,
         "kv_groups": [{"window": g.window, "layers": g.layers, "bytes_per_token_per_gpu": g.bytes_per_token}
                       for g in plan.kv_groups],
-        "kv_tokens": plan.kv_tokens, "kv_tokens_in_windows": plan.kv_tokens_in_windows,
+        "kv_tokens": plan.kv_tokens, "kv_tokens_all_ranks": plan.kv_tokens_all_ranks,
+        "kv_tokens_in_windows": plan.kv_tokens_in_windows,
         "max_model_len": plan.max_model_len, "fits": plan.fits,
         "kv_free_gib_at_vllm_default_fraction": gib(plan.kv_free_at_fraction(0.9)), "notes": plan.notes,
     }
@@ -92,7 +97,8 @@ def to_table(plan: MemoryPlan) -> str:
     d = to_json(plan)
     groups = ", ".join(f"{g['layers']} layers {'window ' + str(g['window']) if g['window'] else 'full'}: "
                        f"{g['bytes_per_token_per_gpu']:,} B" for g in d["kv_groups"])
-    lines = [f"{plan.model} on {d['gpus']}, tp={d['tp']} pp={d['pp']}",
+    lines = [f"{plan.model} on {d['gpus']}, tp={d['tp']} pp={d['pp']}"
+             + (" (data-parallel attention)" if d["data_parallel_attention"] else ""),
              f"  weights per GPU        {d['weights_gib_per_gpu']:8.2f} GiB  "
              + ", ".join(f"{k} {v:.2f}" for k, v in d["weights_gib_per_gpu_by_format"].items()),
              *(f"    {c:<20} {v:8.2f} GiB" for c, v in d["weights_gib_per_gpu_by_component"].items()),
@@ -103,7 +109,8 @@ def to_table(plan: MemoryPlan) -> str:
              f"  KV per token per GPU   {groups}",
              f"  KV per token, all GPUs {d['kv_bytes_per_token']:,} B (layers that keep every token)",
              f"  KV capacity            {d['kv_tokens']:,} tokens of long context; "
-             f"{d['kv_tokens_in_windows']:,} when every sequence fits in the windows",
+             f"{d['kv_tokens_in_windows']:,} when every sequence fits in the windows"
+             + (f"; {d['kv_tokens_all_ranks']:,} over all ranks" if d["data_parallel_attention"] else ""),
              f"  fits                   {'yes' if d['fits'] else 'no'} (one {d['max_model_len']:,}-token request)",
              f"  vLLM's 0.9 fraction    {d['kv_free_gib_at_vllm_default_fraction']:8.2f} GiB of KV cache "
              "(negative: does not load)"]

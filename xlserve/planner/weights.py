@@ -105,9 +105,12 @@ def attention_params(arch: ModelArch) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Layout:
-    """How the model is split: ``tp`` tensor-parallel ranks x ``pp`` pipeline stages."""
+    """How the model is split: ``tp`` tensor-parallel ranks x ``pp`` pipeline stages; with
+    ``dp_attention`` the ``tp`` ranks split only the routed experts and each keeps everything
+    else whole and its own requests' KV (``--data-parallel-attention``)."""
     tp: int = 1
     pp: int = 1
+    dp_attention: bool = False
 
     @property
     def devices(self) -> int:
@@ -138,14 +141,15 @@ def bytes_per_device(arch: ModelArch, formats: dict[Component, WeightFormat], la
     over the pipeline stages (the first stage also holds the embedding, the last the head)."""
     params = component_params(arch)
     out = {}
+    split = (Component.EXPERTS,) if layout.dp_attention else tuple(c for c in params if c is not Component.REPLICATED)
     for component, count in params.items():
         share = count * formats[component].bytes_per_param
-        if component is not Component.REPLICATED:
+        if component in split:
             share /= layout.tp
         if component not in (Component.EMBEDDING, Component.LM_HEAD):
             share /= layout.pp
         out[component] = share
-    if not arch.kv_lora_rank and arch.num_kv_heads < layout.tp:  # each rank keeps one whole KV head
+    if not arch.kv_lora_rank and arch.num_kv_heads < layout.tp and not layout.dp_attention:  # a whole KV head each
         kv = 2 * arch.hidden_size * arch.head_dim * arch.num_layers / layout.pp * (1 - arch.num_kv_heads / layout.tp)
         out[Component.ATTENTION] += kv * formats[Component.ATTENTION].bytes_per_param
     if layout.pp > 1:  # embedding and head sit on different stages: the busier stage has the larger
