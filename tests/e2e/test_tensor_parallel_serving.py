@@ -204,6 +204,7 @@ def test_data_parallel_attention_serves_concurrent_requests_as_one_process(tiny_
         placed = [metric_value(split, "xlserve_dp_rank_requests_total", dp_rank=str(r)) for r in (0, 1)]
         assert sum(placed) == len(prompts) and min(placed) >= 2  # both ranks ran requests of their own
         assert metric_value(split, "xlserve_dp_rank_kv_blocks_used", dp_rank="1") == 0  # all freed
-    refused = subprocess.run([sys.executable, "-m", "xlserve.cli", "worker", *options, "--role", "prefill"],
-                             capture_output=True, text=True, timeout=120)
-    assert refused.returncode != 0 and "does not hand KV off yet" in refused.stderr
+    for command in (["worker", *options, "--role", "prefill"], ["serve", *options]):
+        refused = subprocess.run([sys.executable, "-m", "xlserve.cli", *command], capture_output=True, text=True,
+                                 timeout=120)
+        assert refused.returncode != 0 and "does not hand KV off yet" in refused.stderr

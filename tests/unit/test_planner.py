@@ -51,6 +51,23 @@ def test_int4_experts_and_replicated_latent_projections_on_8xh100():
     assert arch.kv_cache_spec.dim == 576
 
 
+def test_data_parallel_attention_splits_only_the_experts_and_keeps_one_latent_copy():
+    """Kimi K2.5 on 8xH200: under tensor parallelism 8 ranks hold 8 copies of every token's
+    latent; with data-parallel attention each rank holds its own requests' (the attention,
+    shared experts, embedding and head whole on every rank), so the worker holds more
+    distinct tokens though each rank has less room."""
+    split = make_plan(PlanConfig(model="kimi-k2.5", gpus="8xH200"))
+    dp = make_plan(PlanConfig(model="kimi-k2.5", gpus="8xH200", data_parallel_attention=True))
+    assert dp.weights[Component.EXPERTS] == split.weights[Component.EXPERTS]
+    for component in (Component.ATTENTION, Component.SHARED_EXPERTS, Component.EMBEDDING, Component.LM_HEAD):
+        assert dp.weights[component] == pytest.approx(8 * split.weights[component])
+    assert dp.kv_groups == split.kv_groups and dp.kv_bytes_per_token == split.kv_bytes_per_token // 8
+    assert dp.kv_tokens < split.kv_tokens and dp.kv_tokens_all_ranks == 8 * dp.kv_tokens > 5 * split.kv_tokens
+    assert to_json(dp)["kv_tokens_all_ranks"] == dp.kv_tokens_all_ranks and dp.fits
+    dense = make_plan(PlanConfig(model="qwen3-235b-a22b", gpus="8xH100", data_parallel_attention=True))
+    assert dense.kv_groups[0].bytes_per_token == 94 * 2 * 4 * 128 * 2  # every KV head of its own requests
+
+
 def test_chunked_layers_keep_a_chunk_and_the_global_ones_every_token():
     plan = make_plan(PlanConfig(model="llama-4-scout", gpus="2xH200"))
     per_layer = 2 * (8 // 2) * 128 * 2  # K and V of 4 of the 8 KV heads per rank, bf16
