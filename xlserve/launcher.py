@@ -156,9 +156,6 @@ def port_is_free(port: int) -> bool:
 def serve(engine: EngineConfig, server: ServerConfig, colocated: bool, policy: str = "cache_aware",
           supervision: SupervisorConfig | None = None) -> None:
     """The stack; with the 'mooncake' tier and no --kv-store-address, a Mooncake store of its own too."""
-    if engine.parallel.data_parallel_attention and not colocated:  # before any process starts
-        from xlserve.engine.rank_schedulers import REFUSED
-        raise ValueError(REFUSED + " (xlserve serve --colocated)")
     tiers = engine.tiers
     if "mooncake" not in tiers.tier_names or tiers.kv_store_address:
         return _serve(engine, server, colocated, policy, supervision)

@@ -178,9 +178,9 @@ def test_a_node_without_the_key_cannot_take_a_rank(tiny_model_dirs, tmp_path):
 def test_data_parallel_attention_serves_concurrent_requests_as_one_process(tiny_model_dirs, tmp_path):
     """--data-parallel-attention on a MoE model with latent attention (whose KV does not split by
     head): concurrent completions, spread over both ranks' own KV pools, answer as one process
-    does; a prefill or decode role is refused with the reason (the KV stays on its rank)."""
-    import subprocess
-    import sys
+    does, colocated and under ``xlserve serve`` (prefill and decode workers of two ranks each:
+    the pinned prefix read from the rank that holds it, imported into the decode worker's
+    least busy rank)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tests.e2e.test_model_families import _with_word_tokenizer
@@ -204,7 +204,6 @@ def test_data_parallel_attention_serves_concurrent_requests_as_one_process(tiny_
         placed = [metric_value(split, "xlserve_dp_rank_requests_total", dp_rank=str(r)) for r in (0, 1)]
         assert sum(placed) == len(prompts) and min(placed) >= 2  # both ranks ran requests of their own
         assert metric_value(split, "xlserve_dp_rank_kv_blocks_used", dp_rank="1") == 0  # all freed
-    for command in (["worker", *options, "--role", "prefill"], ["serve", *options]):
-        refused = subprocess.run([sys.executable, "-m", "xlserve.cli", *command], capture_output=True, text=True,
-                                 timeout=120)
-        assert refused.returncode != 0 and "does not hand KV off yet" in refused.stderr
+    with running_server(*options, command="serve", timeout=300) as disaggregated:
+        assert complete(disaggregated) == expected
+        assert metric(disaggregated, "xlserve_kv_transfer_bytes_total") > 0  # the decode worker pulled the blocks

@@ -1,7 +1,8 @@
 """Rank 0's schedulers for data-parallel attention, without a model: where new requests go
 (the prefix cache against the queue), each step's chunks tagged with their rank, every
 block back in its own pool after the requests end, and one journal of block hashes that
-says what the worker holds while any rank holds it."""
+says what the worker holds while any rank holds it. (Hand-offs between ranks' pools:
+tests/unit/test_tensor_parallel.py.)"""
 
 import pytest
 
@@ -89,9 +90,6 @@ def test_one_journal_of_hashes_held_by_any_rank():
     assert set(held) <= set(ranks.kv.events_since(0, "another epoch")["snapshot"])
 
 
-def test_hand_offs_are_refused_clearly():
-    ranks = _ranks()
-    with pytest.raises(ValueError, match="data-parallel-attention.*serve it colocated"):
-        ranks.kv.pin([], 10)
-    with pytest.raises(ValueError, match="does not hand KV off"):
-        ranks.kv.attach_tiers(object())
+def test_kv_tiers_are_refused_clearly():
+    with pytest.raises(ValueError, match="data-parallel-attention.*without --kv-tiers"):
+        _ranks().kv.attach_tiers(object())

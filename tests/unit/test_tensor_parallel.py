@@ -140,6 +140,41 @@ def hand_off_between_one_and_two(path: str, split: str) -> None:
             assert out.cached_tokens == 64 and out.outputs[0].token_ids == reference
 
 
+def test_kv_hand_off_from_and_into_each_data_parallel_rank(tiny_model_dirs):
+    """Each rank's own pool exports (rank 0 receives rank 1's blocks point to point) what one
+    process exports, and an import into rank 1's pool gives the request that follows a prefix
+    hit there (it is placed on the rank that holds its prefix) and the same tokens; a pin is
+    taken on the rank that holds the prefix."""
+    import numpy as np
+    path = tiny_model_dirs["deepseek_v3"]
+    prompts = [list(range(20, 90)), list(range(100, 170))]  # 70 tokens each: 4 full blocks
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    with LLM(path, dtype="float32", kv_cache_tokens=1024) as llm:
+        reference = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        single = [llm.engine.kv.export(llm.engine.prompt_block_hashes(p)) for p in prompts]
+    options = dict(dtype="float32", kv_cache_tokens=1024, tensor_parallel_size=2, expert_parallel=True,
+                   data_parallel_attention=True)
+    with LLM(path, **options) as llm:
+        engine = llm.engine
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == reference
+        assert engine.scheduler.placed == [1, 1]
+        for prompt, one in zip(prompts, single):
+            hashes = engine.prompt_block_hashes(prompt)
+            payload = engine.kv.export(hashes)
+            assert payload.layout == one.layout and len(payload.block_hashes) == 4
+            np.testing.assert_allclose(np.frombuffer(payload.data, np.float32), np.frombuffer(one.data, np.float32),
+                                       atol=1e-4)
+        grant = engine.kv.pin(engine.prompt_block_hashes(prompts[1]), 30)
+        assert engine.kv.pin_owner[grant.pin_id] == 1 and engine.kv.num_pins == 1
+        assert engine.kv.export_pinned(grant.pin_id, grant.secret, grant.block_hashes).data == payload.data
+        assert engine.kv.unpin(grant.pin_id) and engine.kv.num_pins == 0
+    with LLM(path, **options) as llm:
+        assert llm.engine.kv.pools[1].import_blocks(single[0]) == 4
+        out = llm.generate(prompts[0], greedy)[0]
+        assert out.cached_tokens == 64 and out.outputs[0].token_ids == reference[0]
+        assert llm.engine.scheduler.placed == [0, 1]
+
+
 @pytest.mark.parametrize("arch,split", [("llama", {"tensor_parallel_size": 2}),
                                         ("llama", {"pipeline_parallel_size": 2}),
                                         ("qwen3_moe", {"tensor_parallel_size": 2, "expert_parallel": True,

@@ -93,12 +93,14 @@ def own_share(full: torch.Tensor, kv_caches: list[tuple[torch.Tensor, ...] | Non
 
 class KVShards(ABC):
     """The KV the other ranks hold, as rank 0 reaches them: other tensor-parallel ranks' heads,
-    other pipeline stages' layer slots. Every call is collective: each other rank reads or
-    writes the same blocks of its own pool."""
+    other pipeline stages' layer slots; or, under data-parallel attention, the whole of another
+    rank's own pool (``local`` False: this process holds none of these blocks' bytes). Every
+    call is collective: each rank concerned reads or writes the same blocks of its own pool."""
     rank: int  # this rank's tensor-parallel rank: its heads are the rank-th share of every head
+    local: bool = True  # this process holds a part of the blocks (else ``gather`` and ``scatter`` move them all)
 
     @abstractmethod
-    def gather(self, block_ids: list[int], local: torch.Tensor, layout: "KVLayout") -> torch.Tensor:
+    def gather(self, block_ids: list[int], local: torch.Tensor | None, layout: "KVLayout") -> torch.Tensor:
         """Every rank's part of these blocks in place (``read_blocks``' shape, every slot and head)."""
 
     @abstractmethod
@@ -224,7 +226,10 @@ class KVBlockStore:
         """These blocks' bytes with every layer slot and KV head, [blocks, layout.block_bytes]."""
         if self.shards is not None:
             self.shards.check_layout(self.layout)
-        data = read_blocks(self.kv_caches, block_ids, self.layout.block_size)  # [n, slots, parts, bs, hk, d]
+        if self.shards is not None and not self.shards.local:  # another rank's pool
+            data = self.shards.gather(block_ids, None, self.layout)
+        else:
+            data = read_blocks(self.kv_caches, block_ids, self.layout.block_size)  # [n, slots, parts, bs, hk, d]
         if data.shape[-2] < self.layout.num_kv_heads or data.shape[1] < self.layout.num_layers:
             data = self.shards.gather(block_ids, data, self.layout)  # else this rank has it all
         data = data.contiguous().cpu()
@@ -283,8 +288,9 @@ class KVBlockStore:
         ids = [block_id for block_id, _ in written]
         data = torch.from_numpy(rows[[row for _, row in written]]).view(DTYPES[layout.dtype]).view(  # copies those rows
             -1, layout.num_layers, layout.parts, layout.block_size, layout.num_kv_heads, layout.head_dim)
-        write_blocks(self.kv_caches, ids, own_share(data, self.kv_caches, self.shards.rank if self.shards else 0),
-                     layout.block_size)
+        if self.shards is None or self.shards.local:
+            write_blocks(self.kv_caches, ids, own_share(data, self.kv_caches, self.shards.rank if self.shards else 0),
+                         layout.block_size)
         if self.shards is not None:
             self.shards.scatter(ids, data.to(held(self.kv_caches)[0][0].device))  # where the ranks' collectives run
 

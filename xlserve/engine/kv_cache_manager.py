@@ -62,6 +62,13 @@ class KVCacheManager:
     def import_blocks(self, payload: KVPayload) -> int:
         return self._by_hash.import_(payload)
 
+    def cached_blocks(self, hashes: list[BlockHash]) -> int:
+        """How many leading blocks of ``hashes`` the pool holds (what ``pin`` and ``export`` would take)."""
+        return len(self._by_hash.cached_prefix(hashes)[0])
+
+    def holds_pin(self, pin_id: str) -> bool:
+        return pin_id in self._by_hash.pins
+
     def pin(self, hashes: list[BlockHash], seconds: float) -> PinGrant:
         return self._by_hash.pin(hashes, seconds)
 

@@ -25,8 +25,8 @@ from xlserve.engine.kv_events import KVEventLog
 from xlserve.engine.request import FinishReason, Request
 from xlserve.engine.scheduler import Scheduler, SchedulerOutput
 
-REFUSED = ("a worker with --data-parallel-attention keeps each request's KV on the rank that runs it and does not "
-           "hand KV off yet (prefill/decode roles, KV tiers): serve it colocated")
+NO_TIERS = ("a worker with --data-parallel-attention keeps each request's KV on the rank that runs it: KV tiers "
+           "do not reach it yet; serve it without --kv-tiers")
 
 
 class RankSchedulers:
@@ -35,7 +35,7 @@ class RankSchedulers:
         self.owner: dict[str, int] = {}  # request id -> its rank
         self.placed = [0] * len(ranks)  # requests each rank has been given
         self.requests = collections.ChainMap(*(r.requests for r in ranks))
-        self.kv = RankPools([r.kv for r in ranks])
+        self.kv = RankPools([r.kv for r in ranks], self._queued_tokens)
         self.loading: dict = {}  # KV tiers are refused: nothing ever loads
 
     @property
@@ -106,39 +106,68 @@ class RankSchedulers:
 
 class RankPools:
     """The ranks' KV pools as the engine and the server see them: counters summed, block-hash
-    events merged (a hash is stored while any rank holds it), hand-offs refused."""
+    events merged (a hash is stored while any rank holds it). A hand-off reads a pinned
+    prefix from the rank that holds the longest of it, and an import goes to the rank with
+    the shortest queue (the request that follows is placed where its prefix hit is); the
+    blocks move between rank 0 and that rank point to point (``OtherRankPool``)."""
 
-    def __init__(self, pools: list[KVCacheManager]):
+    def __init__(self, pools: list[KVCacheManager], queued_tokens):
         self.pools = pools
+        self.queued_tokens = queued_tokens  # rank -> the tokens its requests have yet to compute
         self.events = SharedEvents()
         for pool in pools:
             pool.pool.events = self.events
         self.tiers = None
-        self.layout = None
+        self.pin_owner: dict[str, int] = {}  # pin id -> the rank whose pool holds it
 
     def attach(self, kv_caches, layout, shards=None) -> None:
-        self.layout = layout  # the blocks' bytes live on their ranks: nothing reads them here
+        """Rank 0's pool reads its own tensors; every other rank's goes through ``shards`` (the
+        worker's ranks) to that rank."""
+        from xlserve.parallel.ranks import OtherRankPool
+        for rank, pool in enumerate(self.pools):
+            pool.attach(kv_caches, layout, OtherRankPool(shards, rank) if rank else None)
+
+    @property
+    def layout(self):
+        return self.pools[0].layout
 
     def attach_tiers(self, tiers) -> None:
-        raise ValueError(REFUSED)
+        raise ValueError(NO_TIERS)
 
     def detach_tiers(self) -> None:
         return None
 
+    def pin(self, hashes, seconds: float):
+        rank = max(range(len(self.pools)), key=lambda r: (self.pools[r].cached_blocks(hashes), -r))
+        grant = self.pools[rank].pin(hashes, seconds)
+        self.pin_owner[grant.pin_id] = rank
+        return grant
+
+    def export_pinned(self, pin_id: str, secret: str, hashes):
+        return self.pools[self.pin_owner.get(pin_id, 0)].export_pinned(pin_id, secret, hashes)
+
+    def export(self, hashes):
+        """The longest cached prefix of ``hashes`` on any rank (local use)."""
+        return max((p.export(hashes) for p in self.pools), key=lambda payload: len(payload.block_hashes))
+
+    def import_blocks(self, payload) -> int:
+        rank = min(range(len(self.pools)), key=lambda r: (self.queued_tokens(r), r))
+        return self.pools[rank].import_blocks(payload)
+
+    def unpin(self, pin_id: str) -> bool:
+        rank = self.pin_owner.pop(pin_id, None)
+        return rank is not None and self.pools[rank].unpin(pin_id)
+
     def expire_pins(self, now: float | None = None) -> int:
-        return 0
+        expired = 0
+        for pool in self.pools:
+            expired += pool.expire_pins(now)
+        self.pin_owner = {p: r for p, r in self.pin_owner.items() if self.pools[r].holds_pin(p)}
+        return expired
 
     @property
     def num_pins(self) -> int:
-        return 0
-
-    def export(self, *args):
-        raise ValueError(REFUSED)
-
-    export_pinned = import_blocks = pin = export
-
-    def unpin(self, pin_id: str) -> bool:
-        return False
+        return sum(p.num_pins for p in self.pools)
 
     def blocks_for(self, num_tokens: int, step_tokens: int) -> int:
         """Per rank: a request's blocks are all on its own."""

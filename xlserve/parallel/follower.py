@@ -31,24 +31,30 @@ def main() -> None:
             if plan.kind is PlanKind.STEP:
                 runner.follow(plan.scheduled(), plan.path, plan.cpu_kernels)
             else:
-                _move_kv(plan, runner, config.cache.block_size)
+                _move_kv(plan, runner, config.cache.block_size, spec.rank)
     finally:
         leave()
 
 
-def _move_kv(plan: RankPlan, runner, block_size: int) -> None:
-    """This rank's part of the plan's blocks (its slots, its heads): to rank 0 (an export) or from it (an import)."""
+def _move_kv(plan: RankPlan, runner, block_size: int, rank: int) -> None:
+    """This rank's part of the plan's blocks (its slots, its heads): to rank 0 (an export) or from it
+    (an import); with ``only_rank`` (data-parallel attention) only that rank's pool, whole."""
     import torch.distributed as dist
 
     from xlserve.engine.kv_blocks import held, own_share, read_blocks, write_blocks
     from xlserve.parallel import tensor_parallel
+    if plan.only_rank not in (-1, rank):
+        return
     if plan.kind is PlanKind.KV_EXPORT:
         dist.send(as_bytes(read_blocks(runner.kv_caches, plan.block_ids, block_size)), 0)
         return
     part = held(runner.kv_caches)[0]  # the parts of one slot, each [slots, this rank's heads, dim]
     full = torch.empty(len(plan.block_ids), len(runner.kv_caches), len(part), block_size, plan.kv_heads,
                        part[0].shape[2], dtype=part[0].dtype, device=part[0].device)
-    dist.broadcast(as_bytes(full), 0)  # a view: fills ``full``
+    if plan.only_rank == rank:
+        dist.recv(as_bytes(full), 0)  # a view: fills ``full``
+    else:
+        dist.broadcast(as_bytes(full), 0)
     write_blocks(runner.kv_caches, plan.block_ids, own_share(full, runner.kv_caches, tensor_parallel.current().rank),
                  block_size)
 

@@ -49,6 +49,9 @@ class RankPlan(BaseModel):
     cpu_kernels: bool = False
     block_ids: list[int] = []
     kv_heads: int = Field(default=0, ge=0)  # a KV import: the heads the broadcast blocks carry (every head)
+    # a KV export or import of one rank's own pool (data-parallel attention): only that rank
+    # sends, or receives the blocks point to point; -1: every rank its part
+    only_rank: int = Field(default=-1, ge=-1)
 
     @classmethod
     def of(cls, output: SchedulerOutput, path: DecodePath, cpu_kernels: bool) -> "RankPlan":

@@ -233,6 +233,8 @@ class WorkerRanks(KVShards):
         self.rank = 0
         self.size = p.world_size
         self.stage_slots: list[list[int]] = []  # each stage's KV layer slots: set by the engine once it knows them
+        cuda = config.model.device == "cuda" or (config.model.device == "auto" and torch.cuda.is_available())
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
     def broadcast(self, plan: RankPlan) -> None:
         with out_of_step():
@@ -264,6 +266,26 @@ class WorkerRanks(KVShards):
         self.broadcast(RankPlan(kind=PlanKind.KV_IMPORT, block_ids=block_ids, kv_heads=full.shape[-2]))
         with out_of_step():
             dist.broadcast(as_bytes(full), 0)
+
+    def gather_from(self, rank: int, block_ids: list[int], layout) -> torch.Tensor:
+        """These blocks of ``rank``'s own pool (data-parallel attention), whole, point to point."""
+        import torch.distributed as dist
+
+        from xlserve.engine.kv_blocks import DTYPES
+        self.broadcast(RankPlan(kind=PlanKind.KV_EXPORT, block_ids=block_ids, only_rank=rank))
+        blocks = torch.empty(len(block_ids), layout.num_layers, layout.parts, layout.block_size, layout.num_kv_heads,
+                             layout.head_dim, dtype=DTYPES[layout.dtype], device=self.device)
+        with out_of_step():
+            dist.recv(as_bytes(blocks), rank)  # a view: fills ``blocks``
+        return blocks
+
+    def scatter_to(self, rank: int, block_ids: list[int], full: torch.Tensor) -> None:
+        """``rank`` writes ``full`` (every slot and head) into these blocks of its own pool."""
+        import torch.distributed as dist
+        self.broadcast(RankPlan(kind=PlanKind.KV_IMPORT, block_ids=block_ids, kv_heads=full.shape[-2],
+                                only_rank=rank))
+        with out_of_step():
+            dist.send(as_bytes(full), rank)
 
     def check_layout(self, layout) -> None:
         """Each slot must live on one stage. Windowed layer groups share slot numbers, so two
@@ -299,3 +321,21 @@ class WorkerRanks(KVShards):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+class OtherRankPool(KVShards):
+    """Data-parallel attention: rank ``rank``'s own KV pool, as rank 0 reaches it (every head and
+    slot of a block is there; none of it here)."""
+    local = False
+
+    def __init__(self, ranks: WorkerRanks, rank: int):
+        self.ranks, self.owner, self.rank = ranks, rank, 0
+
+    def gather(self, block_ids: list[int], local, layout) -> torch.Tensor:
+        return self.ranks.gather_from(self.owner, block_ids, layout)
+
+    def scatter(self, block_ids: list[int], full: torch.Tensor) -> None:
+        self.ranks.scatter_to(self.owner, block_ids, full)
+
+    def check_layout(self, layout) -> None:
+        """Any layout: the rank holds every layer and head of its blocks."""

@@ -14,7 +14,6 @@ import uvicorn
 
 from xlserve.config import EngineConfig, ServerConfig
 from xlserve.engine.llm_engine import LLMEngine
-from xlserve.engine.rank_schedulers import REFUSED
 from xlserve.openai.app import build_app
 from xlserve.openai.http_protocol import uvicorn_config
 from xlserve.openai.serving_common import WorkerState
@@ -33,8 +32,6 @@ def build_state(engine_config: EngineConfig, on_fatal=None) -> WorkerState:
 
 
 def run_worker(engine_config: EngineConfig, server_config: ServerConfig) -> None:
-    if server_config.role != "both" and engine_config.parallel.data_parallel_attention:
-        raise ValueError(REFUSED)
     server: uvicorn.Server | None = None
 
     def on_fatal(error: BaseException) -> None:  # on the engine thread
