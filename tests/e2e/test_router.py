@@ -160,6 +160,7 @@ def test_router_metrics_and_errors(cluster):
     for name in ("xlserve_router_decisions_total", "xlserve_router_inflight_tokens", "xlserve_kv_transfer_bytes_total",
                  "xlserve_time_to_first_token_seconds_bucket", "xlserve_inter_token_latency_seconds_bucket"):
         assert name in text, name
+    assert metric(cluster["router"], "xlserve_gc_frozen_objects") > 10_000  # the startup heap (openai/app.py)
     r = httpx.post(f"{cluster['router']}/v1/chat/completions", json={"messages": [], "max_tokens": 4})
     assert r.status_code == 400 and r.json()["error"]["message"]
 

@@ -191,6 +191,8 @@ def test_metrics_exposes_latency_and_tokens(server):
                  "xlserve_prefix_cache_hit_ratio"):
         assert name in text, name
     assert metric(server, "xlserve_generation_tokens_total") > 0
+    assert metric(server, "xlserve_gc_frozen_objects") > 10_000  # the startup heap (openai/app.py)
+    assert "python_gc_collections_total" in text
 
 
 def test_full_queue_and_queue_timeout_answer_429_with_retry_after():

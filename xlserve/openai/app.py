@@ -9,6 +9,7 @@ validation; both are the de-facto standard of Python model servers.
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import logging
 import time
@@ -110,6 +111,7 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
     api = key_check(public_key)
     app.state.api_dependencies = api
     _add_status_routes(app, state, config, api, error_response)
+    app.on_event("startup")(freeze_startup_heap)
 
     async def respond(request: Request, model: type[BaseModel], handler):
         if request_hook is not None:
@@ -263,3 +265,16 @@ def _add_response_store_routes(app: FastAPI, store: ResponseStore, api: list) ->
         if not store.delete(response_id):
             raise missing(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
+
+
+async def freeze_startup_heap() -> None:
+    """Keep what the server built before its first request (the model, tokenizer, modules)
+    out of the cyclic collector's work: a full collection walks every tracked object, and
+    CPython runs one only when the objects that survived since the last grew by a quarter,
+    so on a heap of startup objects the cycles each request leaves (httpx's requests and
+    responses hold one another) wait a long time, and each full pass stalls the event loop
+    for as long as the walk takes. vLLM and SGLang freeze their servers' heaps the same way."""
+    started = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    log.info("startup heap frozen: %d objects, %.0f ms", gc.get_freeze_count(), 1e3 * (time.perf_counter() - started))

@@ -10,10 +10,11 @@ worker's engine state with a ``worker`` label.
 
 from __future__ import annotations
 
+import gc
 from typing import Callable
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, GCCollector, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
@@ -170,6 +171,9 @@ class WorkerMetrics:
         self.errors = Counter("xlserve_request_errors", "Requests refused", ["status"], registry=r)
         info = Gauge("xlserve_model_info", "Served model", ["model"], registry=r)
         info.labels(model=model_name).set(1)
+        GCCollector(registry=r)  # python_gc_*: collections and objects freed, by generation
+        Gauge("xlserve_gc_frozen_objects", "Objects the startup froze out of garbage collection (openai/app.py)",
+              registry=r).set_function(gc.get_freeze_count)
         if engine_stats is not None:
             r.register(EngineCollector(lambda: {"": engine_stats()}))
 
