@@ -48,11 +48,11 @@ def test_a_cached_prefix_draws_its_turns_until_the_queue_outweighs_it():
         _step(ranks)
     assert ranks.placed == [1, 0]
     ranks.add_request(_request("turn", system + [4, 5, 6]))  # 160 tokens cached on rank 0: it goes there
-    assert ranks.owner["turn"] == 0
+    assert ranks.rank_of("turn") == 0
     ranks.add_request(_request("other", list(range(5000, 5100))))  # nothing cached: the shorter queue
-    assert ranks.owner["other"] == 1
+    assert ranks.rank_of("other") == 1
     ranks.add_request(_request("again", system + [8, 9]))  # rank 0's queue (3 + ...) is still below 160
-    assert ranks.owner["again"] == 0
+    assert ranks.rank_of("again") == 0
 
 
 def test_every_block_returns_and_finished_requests_are_forgotten():
@@ -66,7 +66,7 @@ def test_every_block_returns_and_finished_requests_are_forgotten():
         _step(ranks)
     _step(ranks)  # the last finished ids are reported (and forgotten) by the next schedule
     assert ranks.kv.num_used_blocks == 0 and ranks.kv.num_blocks == 128
-    assert not ranks.owner and not ranks.requests and not ranks.running and not ranks.waiting
+    assert ranks.rank_of("r0") is None and not ranks.requests and not ranks.running and not ranks.waiting
     assert ranks.kv.stats.queried_tokens == 6 * 30  # summed over the ranks
 
 
@@ -75,7 +75,7 @@ def test_one_journal_of_hashes_held_by_any_rank():
     prompt = list(range(2000, 2033))  # two full blocks
     ranks.add_request(_request("a", prompt, max_tokens=1))
     ranks.add_request(_request("b", prompt, max_tokens=1))  # rank 0's queue is longer than the prompt
-    assert [ranks.owner[r] for r in "ab"] == [0, 1]
+    assert [ranks.rank_of(r) for r in "ab"] == [0, 1]
     while ranks.num_unfinished:
         _step(ranks)
     epoch = ranks.kv.events.epoch
@@ -83,7 +83,7 @@ def test_one_journal_of_hashes_held_by_any_rank():
     assert [kind for kind, _ in events["events"]] == ["stored", "stored"]  # once, though both ranks hold them
     held = sorted(h for _, h in events["events"])
     ranks.add_request(_request("c", list(range(4000, 4064)), max_tokens=1))  # all four of rank 0's blocks
-    assert ranks.owner["c"] == 0
+    assert ranks.rank_of("c") == 0
     _step(ranks)
     later = ranks.kv.events_since(events["seq"], epoch)["events"]
     assert all(kind == "stored" for kind, _ in later)  # evicted on rank 0, still on rank 1: not withdrawn

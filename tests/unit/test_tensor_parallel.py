@@ -165,7 +165,7 @@ def test_kv_hand_off_from_and_into_each_data_parallel_rank(tiny_model_dirs):
             np.testing.assert_allclose(np.frombuffer(payload.data, np.float32), np.frombuffer(one.data, np.float32),
                                        atol=1e-4)
         grant = engine.kv.pin(engine.prompt_block_hashes(prompts[1]), 30)
-        assert engine.kv.pin_owner[grant.pin_id] == 1 and engine.kv.num_pins == 1
+        assert engine.kv.owner_of(grant.pin_id) == 1 and engine.kv.num_pins == 1
         assert engine.kv.export_pinned(grant.pin_id, grant.secret, grant.block_hashes).data == payload.data
         assert engine.kv.unpin(grant.pin_id) and engine.kv.num_pins == 0
     with LLM(path, **options) as llm:

@@ -274,10 +274,10 @@ class ModelRunner:
         else:
             for moe in self.moe_layers:  # the same exchanges, in the same order, as a forward makes
                 moe(torch.empty(0, self.arch.hidden_size, dtype=self.dtype, device=self.device))
-        counts = [sum(1 + s.num_proposed for s in scheduled if s.dp_rank == r and s.sample)
-                  for r in range(exchange.size)]
+        sampling = [[s for s in scheduled if s.dp_rank == r and s.sample] for r in range(exchange.size)]
+        counts = [sum(1 + s.num_proposed for s in chunks) for chunks in sampling]
         logits = exchange.gather_logits(logits, counts, self.arch.vocab_size, self.device)
-        return logits, [s for r in range(exchange.size) for s in scheduled if s.dp_rank == r and s.sample], path
+        return logits, [s for chunks in sampling for s in chunks], path
 
     def _forward(self, scheduled: list[ScheduledRequest], path: DecodePath,
                  cpu_kernels: bool) -> tuple[torch.Tensor | None, list[ScheduledRequest]]:

@@ -32,7 +32,6 @@ NO_TIERS = ("a worker with --data-parallel-attention keeps each request's KV on 
 class RankSchedulers:
     def __init__(self, ranks: list[Scheduler]):
         self.ranks = ranks
-        self.owner: dict[str, int] = {}  # request id -> its rank
         self.placed = [0] * len(ranks)  # requests each rank has been given
         self.requests = collections.ChainMap(*(r.requests for r in ranks))
         self.kv = RankPools([r.kv for r in ranks], self._queued_tokens)
@@ -60,9 +59,12 @@ class RankSchedulers:
 
     def add_request(self, request: Request) -> None:
         rank = min(range(len(self.ranks)), key=lambda r: (self._queued_tokens(r) + self._to_compute(r, request), r))
-        self.owner[request.request_id] = rank
         self.placed[rank] += 1
         self.ranks[rank].add_request(request)
+
+    def rank_of(self, request_id: str) -> int | None:
+        """The rank whose scheduler holds the request (None: none does)."""
+        return next((r for r, s in enumerate(self.ranks) if request_id in s.requests), None)
 
     def _queued_tokens(self, rank: int) -> int:
         s = self.ranks[rank]
@@ -77,11 +79,8 @@ class RankSchedulers:
     def schedule(self) -> SchedulerOutput:
         outputs = [r.schedule() for r in self.ranks]
         scheduled = [dataclasses.replace(s, dp_rank=rank) for rank, out in enumerate(outputs) for s in out.scheduled]
-        finished = [rid for o in outputs for rid in o.finished_request_ids]
-        for rid in finished:  # those a rank finished itself (a stop, max_tokens) since the last step
-            if rid not in self.requests:  # (an id may be in use again already)
-                self.owner.pop(rid, None)
-        return SchedulerOutput(scheduled, sum(o.num_batched_tokens for o in outputs), finished)
+        return SchedulerOutput(scheduled, sum(o.num_batched_tokens for o in outputs),
+                               [rid for o in outputs for rid in o.finished_request_ids])
 
     def update(self, output: SchedulerOutput, sampled: dict[str, list[int]],
                logprobs: dict[str, list[dict]]) -> list[tuple[Request, int]]:
@@ -92,7 +91,7 @@ class RankSchedulers:
         return advanced
 
     def finish(self, request_id: str, reason: FinishReason) -> Request | None:
-        rank = self.owner.pop(request_id, None)
+        rank = self.rank_of(request_id)
         return None if rank is None else self.ranks[rank].finish(request_id, reason)
 
     def shares(self) -> list[dict]:
@@ -118,7 +117,6 @@ class RankPools:
         for pool in pools:
             pool.pool.events = self.events
         self.tiers = None
-        self.pin_owner: dict[str, int] = {}  # pin id -> the rank whose pool holds it
 
     def attach(self, kv_caches, layout, shards=None) -> None:
         """Rank 0's pool reads its own tensors; every other rank's goes through ``shards`` (the
@@ -139,12 +137,14 @@ class RankPools:
 
     def pin(self, hashes, seconds: float):
         rank = max(range(len(self.pools)), key=lambda r: (self.pools[r].cached_blocks(hashes), -r))
-        grant = self.pools[rank].pin(hashes, seconds)
-        self.pin_owner[grant.pin_id] = rank
-        return grant
+        return self.pools[rank].pin(hashes, seconds)
+
+    def owner_of(self, pin_id: str) -> int | None:
+        """The rank whose pool holds pin ``pin_id`` (None: none does)."""
+        return next((r for r, p in enumerate(self.pools) if p.holds_pin(pin_id)), None)
 
     def export_pinned(self, pin_id: str, secret: str, hashes):
-        return self.pools[self.pin_owner.get(pin_id, 0)].export_pinned(pin_id, secret, hashes)
+        return self.pools[self.owner_of(pin_id) or 0].export_pinned(pin_id, secret, hashes)  # rank 0 refuses
 
     def export(self, hashes):
         """The longest cached prefix of ``hashes`` on any rank (local use)."""
@@ -155,15 +155,11 @@ class RankPools:
         return self.pools[rank].import_blocks(payload)
 
     def unpin(self, pin_id: str) -> bool:
-        rank = self.pin_owner.pop(pin_id, None)
+        rank = self.owner_of(pin_id)
         return rank is not None and self.pools[rank].unpin(pin_id)
 
     def expire_pins(self, now: float | None = None) -> int:
-        expired = 0
-        for pool in self.pools:
-            expired += pool.expire_pins(now)
-        self.pin_owner = {p: r for p, r in self.pin_owner.items() if self.pools[r].holds_pin(p)}
-        return expired
+        return sum(pool.expire_pins(now) for pool in self.pools)
 
     @property
     def num_pins(self) -> int:

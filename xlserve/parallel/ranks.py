@@ -66,9 +66,9 @@ def join(init_method: str, rank: int, config: EngineConfig):
     data-parallel attention ``expert_exchange.current()``) and ``pipeline_parallel.current()``
     (its layers follow once the model's are known). Returns the plan group."""
     import torch.distributed as dist
-    p, device = config.parallel, config.model.device
+    p = config.parallel
     size, tp = p.world_size, p.tensor_parallel_size
-    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    cuda = on_cuda(config)
     if cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     else:  # the ranks share this machine's cores
@@ -91,6 +91,12 @@ def join(init_method: str, rank: int, config: EngineConfig):
     pipeline_parallel.set_current(pipeline_parallel.PipelineStage(rank // tp, p.pipeline_parallel_size, rank=rank,
                                                                   tp_size=tp))
     return plan_group
+
+
+def on_cuda(config: EngineConfig) -> bool:
+    """Whether the ranks run on CUDA (NCCL, a device each) or on the CPU (gloo)."""
+    device = config.model.device
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
 @contextlib.contextmanager
@@ -233,8 +239,7 @@ class WorkerRanks(KVShards):
         self.rank = 0
         self.size = p.world_size
         self.stage_slots: list[list[int]] = []  # each stage's KV layer slots: set by the engine once it knows them
-        cuda = config.model.device == "cuda" or (config.model.device == "auto" and torch.cuda.is_available())
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if on_cuda(config) else torch.device("cpu")
 
     def broadcast(self, plan: RankPlan) -> None:
         with out_of_step():
