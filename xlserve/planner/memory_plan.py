@@ -82,8 +82,7 @@ class MemoryPlan:
     def kv_bytes_per_token(self) -> int:
         """Bytes per token of context beyond every window, all devices together (under
         data-parallel attention a token's KV is on one rank)."""
-        copies = 1 if self.layout.dp_attention else self.layout.tp
-        return sum(g.bytes_per_token for g in self.kv_groups if g.window == 0) * copies
+        return sum(g.bytes_per_token for g in self.kv_groups if g.window == 0) * self.layout.attention_tp
 
     @property
     def kv_tokens(self) -> int:
@@ -94,7 +93,7 @@ class MemoryPlan:
     def kv_tokens_all_ranks(self) -> int:
         """Distinct tokens the worker holds: ``kv_tokens``, times the ranks under data-parallel
         attention (each its own requests')."""
-        return self.kv_tokens * (self.layout.tp if self.layout.dp_attention else 1)
+        return self.kv_tokens * (self.layout.tp // self.layout.attention_tp)
 
     @property
     def kv_tokens_in_windows(self) -> int:
@@ -136,7 +135,7 @@ def kv_groups(arch: ModelArch, layout: Layout, kv_bytes: int) -> list[KVGroup]:
     """KV bytes per token and device of each layer group. Tensor parallelism splits key/value
     heads (a rank keeps at least one); MLA's latent is the same on every rank."""
     spec = arch.kv_cache_spec
-    heads = spec.heads if arch.kv_lora_rank or layout.dp_attention else max(spec.heads // layout.tp, 1)
+    heads = spec.heads if arch.kv_lora_rank else max(spec.heads // layout.attention_tp, 1)
     per_layer = spec.parts * heads * spec.dim * kv_bytes
     return [KVGroup(window, -(-layers // layout.pp), -(-layers // layout.pp) * per_layer)
             for window, layers in arch.kv_groups()]
@@ -170,21 +169,21 @@ def plan_memory(arch: ModelArch, name: str, hardware: Hardware, layout: Layout,
         raise ValueError(f"the layout tp={layout.tp} x pp={layout.pp} needs {layout.devices} devices; "
                          f"--gpus gives {hardware.count}")
     notes = []
-    if arch.num_kv_heads < layout.tp and not arch.kv_lora_rank:
+    if arch.num_kv_heads < layout.attention_tp and not arch.kv_lora_rank:
         notes.append(f"{arch.num_kv_heads} KV heads over {layout.tp} ranks: each rank keeps a copy of one head")
-    if arch.kv_lora_rank and layout.tp > 1 and not layout.dp_attention:
+    if arch.kv_lora_rank and layout.attention_tp > 1:
         notes.append("MLA: every tensor-parallel rank keeps the whole latent cache")
     if layout.dp_attention:
         notes.append(f"data-parallel attention: each of {layout.tp} ranks holds its own requests' KV, so the "
                      f"worker holds {layout.tp} times the tokens of one rank's pool (one request fits in one rank)")
-    tp = 1 if layout.dp_attention else layout.tp  # activations: every rank computes its rows' layers whole
     rows = min(shape.max_num_seqs, shape.max_num_batched_tokens)
     graph_rows = min(shape.cuda_graph_max_batch, shape.max_num_seqs)
     return MemoryPlan(
         model=name, hardware=hardware, layout=layout, formats=formats,
         weights=bytes_per_device(arch, formats, layout),
-        activation_peak=activation_peak(arch, tp, shape.max_num_batched_tokens, rows, shape.activation_bytes),
-        cuda_graph_pool=activation_peak(arch, tp, graph_rows, graph_rows, shape.activation_bytes),
+        activation_peak=activation_peak(arch, layout.attention_tp, shape.max_num_batched_tokens, rows,
+                                        shape.activation_bytes),
+        cuda_graph_pool=activation_peak(arch, layout.attention_tp, graph_rows, graph_rows, shape.activation_bytes),
         runtime=(RUNTIME_GIB + (NCCL_GIB if layout.devices > 1 else 0.0)) * GIB,
         kv_groups=kv_groups(arch, layout, shape.kv_bytes),
         max_model_len=shape.max_model_len or min(arch.max_position_embeddings, 131072), notes=notes)

@@ -113,6 +113,11 @@ class Layout:
     dp_attention: bool = False
 
     @property
+    def attention_tp(self) -> int:
+        """The ranks that split attention's heads (and its KV heads): none under data-parallel attention."""
+        return 1 if self.dp_attention else self.tp
+
+    @property
     def devices(self) -> int:
         return self.tp * self.pp
 
@@ -149,8 +154,9 @@ def bytes_per_device(arch: ModelArch, formats: dict[Component, WeightFormat], la
         if component not in (Component.EMBEDDING, Component.LM_HEAD):
             share /= layout.pp
         out[component] = share
-    if not arch.kv_lora_rank and arch.num_kv_heads < layout.tp and not layout.dp_attention:  # a whole KV head each
-        kv = 2 * arch.hidden_size * arch.head_dim * arch.num_layers / layout.pp * (1 - arch.num_kv_heads / layout.tp)
+    if not arch.kv_lora_rank and arch.num_kv_heads < layout.attention_tp:  # each rank keeps one whole KV head
+        kv = 2 * arch.hidden_size * arch.head_dim * arch.num_layers / layout.pp * (
+            1 - arch.num_kv_heads / layout.attention_tp)
         out[Component.ATTENTION] += kv * formats[Component.ATTENTION].bytes_per_param
     if layout.pp > 1:  # embedding and head sit on different stages: the busier stage has the larger
         out[Component.LM_HEAD] = max(out[Component.EMBEDDING], out[Component.LM_HEAD])
