@@ -14,10 +14,9 @@ import torch
 
 from xlserve.engine.cuda_graph import DecodeGraphs
 from xlserve.engine.decode_plan import DecodePath, StepShape, plan_decode
-from xlserve.engine.errors import FATAL_ERRORS, RequestError, describe
 from xlserve.engine.guided import GuidedDecoding
 from xlserve.engine.kv_groups import KVGroup, plan_groups
-from xlserve.engine.sampler import Sampler, apply_penalties
+from xlserve.engine.request_sampling import RequestSampling
 from xlserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from xlserve.kernels import cpu_ops, portable_library
 from xlserve.layers.attention import AttentionMetadata, PrefillChunk, additive_mask, block_table, decode_context
@@ -27,7 +26,6 @@ from xlserve.models.arch import FEATURES
 from xlserve.parallel import expert_exchange, pipeline_parallel, tensor_parallel
 from xlserve.parallel.pipeline_parallel import micro_batches
 from xlserve.parallel.ranks import out_of_step
-from xlserve.speculative.verifier import verify
 
 
 @dataclass(frozen=True)
@@ -82,10 +80,7 @@ class ModelRunner:
         self.fused_shapes = cpu_ops.supports_shape(arch.num_heads, arch.num_kv_heads, arch.head_dim)
         # a model that does not say which features it uses may use all of them: no fast CPU path
         self.features = getattr(self.model, "features", FEATURES)
-        self.sampler = Sampler()
-        self.generators: dict[str, tuple[int, torch.Generator]] = {}
-        self.guided = guided
-        self.matchers: dict[str, object] = {}  # request id -> grammar matcher
+        self.sampling = RequestSampling(guided)  # each request's generator and grammar matcher
         self.keep_hidden = False  # an EAGLE head reads the hidden states: each step returns them
         self.graphs = None
         # graphs do not capture the ranks' collectives
@@ -221,8 +216,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         for request_id in output.finished_request_ids:
-            self.generators.pop(request_id, None)
-            self.matchers.pop(request_id, None)
+            self.sampling.forget(request_id)
         if not output.scheduled:
             return RunnerOutput()
         # rows that check proposals take the CPU kernels too: each writes every row's K/V before
@@ -341,90 +335,9 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest],
                 path: DecodePath | None = None) -> RunnerOutput:
-        """Each request's tokens from its rows (one, or one more than its proposals); a row
-        that fails ends only its own request (``errors``)."""
         out = RunnerOutput(decode_path=path)
-        top = logits.max(-1)  # first maximum, like argmax; 2x faster on CPU rows
-        greedy = top.indices.tolist()
-        # max propagates NaN and +inf, so this costs no extra pass over the vocabulary
-        finite = torch.isfinite(top.values).tolist()
-        first = 0
-        for s in requests:
-            rows = range(first, first + 1 + s.num_proposed)
-            first = rows.stop
-            try:
-                if not all(finite[i] for i in rows):
-                    raise RequestError("the model produced non-finite logits for this request")
-                tokens = self._sample_rows(logits[rows.start:rows.stop], s, greedy[rows.start:rows.stop])
-            except FATAL_ERRORS:
-                raise
-            except Exception as e:  # noqa: BLE001 - attributed to this request alone
-                out.errors[s.request_id] = describe(e)
-                continue
-            out.sampled[s.request_id] = tokens
-            if s.params.logprobs is not None:
-                out.logprobs[s.request_id] = [self.sampler.logprobs(logits[i], token, s.params.logprobs)
-                                              for i, token in zip(rows, tokens)]
+        self.sampling.sample(logits, requests, out.sampled, out.logprobs, out.errors)
         return out
-
-    def _sample_rows(self, rows: torch.Tensor, s: ScheduledRequest, greedy: list[int]) -> list[int]:
-        """One token, or the proposals the rows confirm and the model's next (``verify``)."""
-        proposed = s.token_ids[len(s.token_ids) - s.num_proposed:]
-        params = s.params
-        if params.greedy and not params.logit_bias and not params.has_penalties and params.guided is None:
-            kept = next((i for i, (p, g) in enumerate(zip(proposed, greedy)) if p != g), len(proposed))
-            return proposed[:kept] + [greedy[kept]]  # the argmaxes are at hand
-        matcher = self._matcher(s) if params.guided is not None else None
-        return verify(rows, proposed, params, lambda i: self._generator(s, i), self.sampler,
-                      lambda row, before: self._prepare(row, s, matcher, before),
-                      matcher.consume_token if matcher is not None else lambda token: None)
-
-    def _prepare(self, row: torch.Tensor, s: ScheduledRequest, matcher, before: list[int]) -> torch.Tensor:
-        """A row as the request's sampling sees it after ``before`` (the step's tokens so far):
-        logit bias, the grammar's mask, penalties over the output with those tokens."""
-        params = s.params
-        if params.logit_bias:
-            ids, values = zip(*params.logit_bias)
-            row = row.index_add(0, torch.tensor(ids, device=row.device),
-                                torch.tensor(values, dtype=row.dtype, device=row.device))
-        if matcher is not None:
-            row = row.masked_fill(~self.guided.allowed(matcher).to(row.device), float("-inf"))
-        if params.has_penalties:
-            row = apply_penalties(row.clone(), params, s.prompt_token_ids or [], (s.output_token_ids or []) + before)
-        return row
-
-    def _matcher(self, s: ScheduledRequest):
-        matcher = self.matchers.get(s.request_id)
-        if matcher is None:
-            matcher = self.matchers[s.request_id] = self.guided.matcher(s.params.guided)
-        return matcher
-
-    def forced_tokens(self, request_id: str) -> list[int]:
-        """The tokens the request's grammar forces next (none before its first sampled token)."""
-        matcher = self.matchers.get(request_id)
-        return list(matcher.compute_ff_tokens()) if matcher is not None else []
-
-    def resume_guided(self, request_id: str, params, tokens: tuple[int, ...]) -> None:
-        """Bring a resumed request's grammar state past the output it already has."""
-        matcher = self.matchers[request_id] = self.guided.matcher(params.guided)
-        for token in tokens:
-            if not matcher.consume_token(token):
-                self.matchers.pop(request_id)
-                raise ValueError(f"the resumed output token {token} is not allowed by the {params.guided.kind} "
-                                 f"constraint")
-
-    def _generator(self, s: ScheduledRequest, offset: int = 0) -> torch.Generator:
-        """The generator for this draw, seeded from (request seed, output position; ``offset``:
-        the token's place among those the step emits): a draw depends on neither the batch
-        nor the worker, so a seeded answer is the same alone, batched, preempted, or split
-        over prefill and decode workers."""
-        entry = self.generators.get(s.request_id)
-        if entry is None:
-            base = s.seed if s.seed is not None else int(torch.randint(0, 2**62, (1,)))
-            entry = self.generators[s.request_id] = (base, torch.Generator())
-        base, gen = entry
-        gen.manual_seed(_mix(base, s.output_index + offset))
-        return gen
 
 
 def as_rows(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
@@ -438,11 +351,3 @@ def as_rows(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
         rows += [dataclasses.replace(s, token_ids=[token], start_position=s.start_position + i, num_proposed=0)
                  for i, token in enumerate(s.token_ids)] if s.num_proposed else [s]
     return rows
-
-
-def _mix(seed: int, index: int) -> int:
-    """SplitMix64 finalizer of (seed, index): nearby positions get unrelated streams."""
-    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
