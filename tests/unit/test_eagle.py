@@ -88,7 +88,7 @@ def test_serving_attends_as_training_did(tiny_model_dirs, trained_head):
     unrolled pass gives at the same positions, fed the same tokens."""
     with LLM(tiny_model_dirs["llama"], dtype="float32", enable_prefix_caching=False,
              speculative="eagle", eagle_head=trained_head[0]) as llm:
-        proposer = llm.engine.proposer
+        proposer = llm.engine.speculation.proposer
         samples = eagle_training.answer_with_states(llm, [(_prompts(1, 3)[0], None)], 16)
     tokens, states = samples[0]
     head = proposer.head

@@ -314,7 +314,7 @@ def test_preemptions_and_aborts_in_the_middle_of_speculation_leave_nothing(tiny_
                 aborted += 1
         assert aborted > 0
         assert engine.kv.num_used_blocks == 0 and engine.kv.num_pins == 0
-        assert not engine.draft_lengths and not engine.proposer.indexes
+        assert not engine.speculation.draft_lengths and not engine.speculation.proposer.indexes
 
 
 def test_the_engine_times_its_decode_steps_by_rows(tiny_model_dirs):
@@ -322,6 +322,6 @@ def test_the_engine_times_its_decode_steps_by_rows(tiny_model_dirs):
     with LLM(tiny_model_dirs["llama"], dtype="float32", kv_cache_tokens=512, speculative="ngram") as llm:
         llm.generate([[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]] * 2, SamplingParams(max_tokens=12, temperature=0,
                                                                                   ignore_eos=True))
-        costs = llm.engine.step_costs
+        costs = llm.engine.speculation.step_costs
         assert costs.forward and min(costs.forward) >= 2 and costs.rest is not None
         assert all(seconds > 0 for seconds in costs.forward.values())

@@ -61,7 +61,7 @@ def test_data_parallel_attention_with_speculation_equals_one_rank(tiny_model_dir
     single = _SINGLE.get("qwen3_moe") or _run(path)
 
     def proposed(llm) -> None:
-        assert llm.engine.spec.proposed > 0 and llm.engine.spec.accepted > 0
+        assert llm.engine.speculation.stats.proposed > 0 and llm.engine.speculation.stats.accepted > 0
     split = _run(path, check=proposed, tensor_parallel_size=2, expert_parallel=True, data_parallel_attention=True,
                  speculative="ngram", num_speculative_tokens=3)
     assert [a.outputs[0].token_ids for a in single] == [b.outputs[0].token_ids for b in split]

@@ -64,7 +64,8 @@ def decode_run(engine, prompts: list[list[int]], max_tokens: int, guided=None) -
     answers, the proposals' fate."""
     from xlserve.sampling_params import SamplingParams
     params = SamplingParams(max_tokens=max_tokens, temperature=0, guided=guided)
-    before = (engine.spec.proposed, engine.spec.accepted, sum(engine.spec.lengths.values()))
+    stats = engine.speculation.stats
+    before = (stats.proposed, stats.accepted, sum(stats.lengths.values()))
     ids = [f"spec-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts):
         engine.add_request(rid, prompt, params)
@@ -81,8 +82,8 @@ def decode_run(engine, prompts: list[list[int]], max_tokens: int, guided=None) -
         if started is None and len(begun) == len(ids):
             started = time.perf_counter()  # every request has its first token: prefill is behind
     seconds = time.perf_counter() - (started or time.perf_counter())
-    proposed, accepted, checks = (engine.spec.proposed - before[0], engine.spec.accepted - before[1],
-                                  sum(engine.spec.lengths.values()) - before[2])
+    proposed, accepted, checks = (stats.proposed - before[0], stats.accepted - before[1],
+                                  sum(stats.lengths.values()) - before[2])
     return {"seconds": seconds, "tokens": tokens, "answers": [answers[r] for r in ids], "proposed": proposed,
             "accepted": accepted, "checks": checks, "request_steps": request_steps}
 
@@ -90,8 +91,8 @@ def decode_run(engine, prompts: list[list[int]], max_tokens: int, guided=None) -
 def measure(engine, prompts: list[list[int]], batch: int, max_tokens: int, guided=None) -> dict:
     """The prompts in batches of ``batch``, the proposer starting from nothing: answers of an
     earlier run (the same prompts) would make the next one's a replay."""
-    if engine.proposer is not None:
-        engine.proposer.reset()
+    if engine.speculation.proposer is not None:
+        engine.speculation.proposer.reset()
     runs = [decode_run(engine, prompts[i:i + batch], max_tokens, guided) for i in range(0, len(prompts), batch)]
     total = {k: sum(r[k] for r in runs) for k in ("seconds", "tokens", "proposed", "accepted", "checks",
                                                    "request_steps")}

@@ -11,7 +11,6 @@ import collections
 import hashlib
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Sequence
 
 from xlserve.config import EngineConfig
@@ -25,6 +24,7 @@ from xlserve.engine.outputs import CompletionOutput, RequestOutput
 from xlserve.engine.rank_schedulers import RankSchedulers
 from xlserve.engine.request import FinishReason, HandOff, Request
 from xlserve.engine.scheduler import Scheduler, SchedulerOutput
+from xlserve.engine.speculation import Speculation
 from xlserve.hashing import BlockHash, block_hashes
 from xlserve.kvstore.tiered import build_tiers
 from xlserve.loader.model_loader import LoadedModel, load_model
@@ -33,7 +33,6 @@ from xlserve.parallel.pipeline_parallel import balanced_stages
 from xlserve.parallel.ranks import WorkerRanks, agree
 from xlserve.parallel.tensor_parallel import TensorParallel
 from xlserve.sampling_params import SamplingParams
-from xlserve.speculative.draft_budget import DraftLength, StepCosts, plan_lengths
 from xlserve.speculative.proposer import make_proposer
 
 log = logging.getLogger(__name__)
@@ -55,19 +54,6 @@ def stage_slots(arch, stages: int) -> list[list[int]]:
     """The KV layer slots each pipeline stage's pool holds."""
     plan = plan_groups(arch)
     return [plan.slots_of(layers) for layers in balanced_stages(arch, stages)]
-
-
-@dataclass
-class SpeculationStats:
-    """Proposed and accepted tokens, and how many of each step's proposals were accepted."""
-    proposed: int = 0
-    accepted: int = 0
-    lengths: collections.Counter = field(default_factory=collections.Counter)
-
-    def record(self, proposed: int, accepted: int) -> None:
-        self.proposed += proposed
-        self.accepted += accepted
-        self.lengths[accepted] += 1
 
 
 class LLMEngine:
@@ -117,15 +103,12 @@ class LLMEngine:
             except BaseException:
                 tiers.close()
                 raise
-        self.proposer = make_proposer(config, self.loaded)
-        if self.proposer is not None and self.proposer.wants_hidden and config.parallel.data_parallel_attention:
+        proposer = make_proposer(config, self.loaded)
+        if proposer is not None and proposer.wants_hidden and config.parallel.data_parallel_attention:
             raise ValueError("--speculative eagle reads hidden states on rank 0; with --data-parallel-attention they "
                              "are on every rank: choose ngram, suffix or draft")
-        self.runner.keep_hidden = self.proposer is not None and self.proposer.wants_hidden
-        self.draft_lengths: dict[str, DraftLength] = {}
-        self.step_costs = StepCosts()  # decode steps timed by rows: what a proposal's row costs here
-        self.forced_proposals: set[str] = set()  # requests whose pending proposal a grammar forced
-        self.spec = SpeculationStats()
+        self.runner.keep_hidden = proposer is not None and proposer.wants_hidden
+        self.speculation = Speculation(proposer, config.speculative.num_speculative_tokens)
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else set()
         self._detokenizers: dict[str, Detokenizer | None] = {}
         self.num_steps = 0
@@ -211,7 +194,7 @@ class LLMEngine:
                             params.skip_special_tokens) if self.tokenizer else None
         resumed = handoff.resume if handoff else ()
         if resumed and params.guided is not None:
-            self.runner.resume_guided(request_id, params, resumed)
+            self.runner.sampling.resume_guided(request_id, params, resumed)
         for token in resumed if detok else ():
             detok.add(token)  # the same held-back state the first worker ended with; its text was sent there
         request.num_resumed_chars = detok.emitted if detok else 0
@@ -247,8 +230,9 @@ class LLMEngine:
         if runner_out.decode_path is not None:
             self.steps_by_path[runner_out.decode_path] += 1
         outputs += [out for rid, why in runner_out.errors.items() if (out := self._fail(rid, why))]
-        self._record_speculation(sched_out, runner_out)
-        self._observe(sched_out, runner_out)
+        speculation = self.speculation
+        speculation.record(sched_out, runner_out.sampled)
+        speculation.observe(sched_out, runner_out.hidden, runner_out.sampled, runner_out.errors)
         advanced = self.scheduler.update(sched_out, runner_out.sampled, runner_out.logprobs)
         self.num_steps += 1
         for req, count in advanced:
@@ -260,84 +244,9 @@ class LLMEngine:
                 outputs.append(self._fail(req.request_id, f"detokenizing failed: {describe(e)}"))
                 continue
             outputs.append(self._output(req, new_text, req.output_token_ids[-count:]))
-        proposing = self._propose()
-        self._time_decode_step(sched_out, forward_seconds, time.monotonic() - step_started, proposing)
+        proposing = speculation.propose(self.scheduler.running, self.max_model_len, self.runner.sampling.forced_tokens)
+        speculation.time_step(sched_out, forward_seconds, time.monotonic() - step_started, proposing)
         return outputs
-
-    def _time_decode_step(self, sched_out: SchedulerOutput, forward_seconds: float, step_seconds: float,
-                          proposing: tuple[float, int]) -> None:
-        """A step whose every request decoded (one row each, plus its checked proposals) is what
-        the proposal planner weighs: its seconds by the rows it computed."""
-        scheduled = sched_out.scheduled
-        if self.proposer is not None and scheduled and all(
-                len(s.token_ids) == 1 + s.num_proposed and s.sample for s in scheduled):
-            self.step_costs.record(sum(len(s.token_ids) for s in scheduled), forward_seconds, step_seconds,
-                                   *proposing)
-
-    # -- speculative decoding ------------------------------------------------------
-    def _propose(self) -> tuple[float, int]:
-        """Proposals for the running requests whose known tokens are all computed but the
-        last (they decode): checked in the next step. Where a grammar forces the next tokens
-        (a tool call's envelope, a schema's keys), those are the proposal; the others get
-        what ``plan_lengths`` gives them. Returns the proposer's seconds and guess depth."""
-        if self.proposer is None:
-            return 0.0, 0
-        fixed = self.config.speculative.num_speculative_tokens
-        lengths, rooms, requests, rows = [], [], [], 0
-        for req in self.scheduler.running:
-            params = req.params
-            if req.num_computed_tokens != req.num_tokens - 1:
-                continue
-            rows += 1
-            room = min(params.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
-            if req.pause_after is not None:
-                room = min(room, req.pause_after - req.num_output_tokens - 1)
-            if room <= 0:
-                continue
-            forced = self.runner.forced_tokens(req.request_id) if params.guided is not None else []
-            if forced:  # they land for sure: guesses of rate 1, planned like the others
-                lengths.append(DraftLength(fixed, rate=1.0, most=len(forced), forced=True))
-                rooms.append(min(room, len(forced)))
-            else:
-                lengths.append(self.draft_lengths.setdefault(req.request_id, DraftLength(fixed)))
-                rooms.append(room)
-            requests.append((req, forced))
-        planned = plan_lengths(lengths, rooms, rows, rows, self.step_costs)
-        asks, self.forced_proposals = [], set()
-        for (req, forced), k in zip(requests, planned):
-            if forced:
-                req.spec_token_ids = forced[:k]
-                self.forced_proposals.add(req.request_id)
-            elif k > 0:
-                asks.append((req, k))
-        started = time.monotonic()
-        proposals = self.proposer.propose_all([(req.request_id, req.all_token_ids, k) for req, k in asks])
-        for (req, _), proposed in zip(asks, proposals):
-            req.spec_token_ids = proposed
-        return time.monotonic() - started, max((k for _, k in asks), default=0)
-
-    def _record_speculation(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> None:
-        """Each checked proposal's fate (for adaptive lengths and the metrics)."""
-        for s in sched_out.scheduled:
-            if s.num_proposed and s.request_id in runner_out.sampled:
-                accepted = len(runner_out.sampled[s.request_id]) - 1
-                self.spec.record(s.num_proposed, accepted)
-                length = self.draft_lengths.get(s.request_id)
-                if length is not None and s.request_id not in self.forced_proposals:  # a grammar's always land
-                    length.record(s.num_proposed, accepted)
-
-    def _observe(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> None:
-        """The hidden states of the positions this step confirmed, to a proposer that reads
-        them: a chunk's every row, a checking row's accepted ones (the rows after a rejected
-        proposal hold a guess's state)."""
-        if not runner_out.hidden:
-            return
-        for s in sched_out.scheduled:
-            states, sampled = runner_out.hidden.get(s.request_id), runner_out.sampled.get(s.request_id)
-            if states is None or s.request_id in runner_out.errors or (s.num_proposed and sampled is None):
-                continue
-            confirmed = len(sampled) if s.num_proposed else len(s.token_ids)
-            self.proposer.observe(s.request_id, s.start_position, states[:confirmed])
 
     def _execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
         """Run the step; if the batch fails, run each request alone to find the ones that
@@ -410,9 +319,7 @@ class LLMEngine:
         detok = self._detokenizers.get(req.request_id)
         if req.is_finished:
             self._detokenizers.pop(req.request_id, None)
-            if self.proposer is not None:
-                self.proposer.forget(req.request_id, req.output_token_ids)
-                self.draft_lengths.pop(req.request_id, None)
+            self.speculation.forget(req)
         text = detok.text[req.num_resumed_chars:detok.emitted] if detok else ""
         finish = req.finish_reason.value if req.finish_reason else None
         completion = CompletionOutput(0, text, req.output_token_ids[req.num_resumed_tokens:], finish,
@@ -446,9 +353,9 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "num_failed_requests": self.num_failed_requests,
             "spec_method": self.config.speculative.speculative,
-            "spec_proposed_tokens": self.spec.proposed,
-            "spec_accepted_tokens": self.spec.accepted,
-            "spec_acceptance_lengths": dict(self.spec.lengths),
+            "spec_proposed_tokens": self.speculation.stats.proposed,
+            "spec_accepted_tokens": self.speculation.stats.accepted,
+            "spec_acceptance_lengths": dict(self.speculation.stats.lengths),
             "num_loading": len(self.scheduler.loading),
             "kv_tier_timeouts": self.scheduler.num_tier_timeouts,
             "kv_tiers": kv.tiers.stats() if kv.tiers is not None else {},

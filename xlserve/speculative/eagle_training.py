@@ -101,7 +101,7 @@ def answer_with_states(llm, prompts: list[tuple[list[int], object]], max_tokens:
     """(prompt + greedy answer, the hidden state of every position but the last) per prompt."""
     from xlserve.sampling_params import SamplingParams
     engine = llm.engine
-    recorder = engine.proposer = StateRecorder()
+    recorder = engine.speculation.proposer = StateRecorder()
     engine.runner.keep_hidden = True
     samples = []
     with tqdm(total=len(prompts), desc="answering", unit="prompt") as bar:
