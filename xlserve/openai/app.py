@@ -9,6 +9,7 @@ validation; both are the de-facto standard of Python model servers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import hmac
 import logging
@@ -97,7 +98,9 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
     its session header there); ``response_headers()``: extra response headers (the router
     names the workers it routed to); ``dispatch(request, body, req, prepared, local)``: the
     router's choice of server for a parsed request, ``local()`` being this app's own path."""
-    app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)  # served below, behind the key
+    app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None,  # served below, behind the key
+                  lifespan=_run_startup_hooks)
+    app.state.startup_hooks = [freeze_startup_heap]  # awaited in order before the first request
     logging.getLogger("xlserve.requests").disabled = not config.log_requests
     hosts = allowed_hosts(config.host, config.allowed_hosts)
     if hosts is not None:
@@ -111,7 +114,6 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
     api = key_check(public_key)
     app.state.api_dependencies = api
     _add_status_routes(app, state, config, api, error_response)
-    app.on_event("startup")(freeze_startup_heap)
 
     async def respond(request: Request, model: type[BaseModel], handler):
         if request_hook is not None:
@@ -265,6 +267,15 @@ def _add_response_store_routes(app: FastAPI, store: ResponseStore, api: list) ->
         if not store.delete(response_id):
             raise missing(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
+
+
+@contextlib.asynccontextmanager
+async def _run_startup_hooks(app: FastAPI):
+    """The app's lifespan: ``app.state.startup_hooks`` (the router adds its first health
+    check), then serve."""
+    for hook in app.state.startup_hooks:
+        await hook()
+    yield
 
 
 async def freeze_startup_heap() -> None:

@@ -99,11 +99,11 @@ def build_router_app(opts: RouterOptions, config: ServerConfig):
             return JSONResponse(error_body(503, str(e)), status_code=503, headers={"Retry-After": "2"})
         return JSONResponse(error_body(502, f"worker failed: {e}"), status_code=502)
 
-    @app.on_event("startup")
     async def _health():
         await asyncio.gather(*(pool.check(w) for w in pool.workers))
         await pool.sync_kv_peers()  # before the first request: decode workers know whom to pull from
         app.state.health_task = asyncio.create_task(pool.health_loop(opts.health_interval, index))
+    app.state.startup_hooks.insert(0, _health)  # the heap is frozen after it, with the pool's state
 
     @app.get("/router/workers", dependencies=app.state.api_dependencies if config.metrics_need_key else [])
     async def workers():
