@@ -43,8 +43,15 @@
  * memory once, not through the buffer. The default model's gate/up shape over 30 layers
  * (92160 x 576 Q4_1) on a 2-core Zen 4 EPYC, minimum of 21, registers vs buffer: 4 rows 3.17
  * vs 3.92 ms, 6 rows 4.46 vs 5.32, 8 rows 5.50 vs 6.00, 10 rows 7.68 vs 7.41, 12 rows 8.58 vs
- * 8.38 (the buffer's one dequantization wins from 10). */
+ * 8.38 (the buffer's one dequantization wins from 10). With 16 registers (AVX2) a pass holds
+ * 2 rows, and a third row costs a second dequantization, which loses to the buffer's one: on a
+ * 2-core Zen 1 EPYC, median of 15 interleaved, Q4_1 92160 x 576, registers vs buffer, 3 rows
+ * 10.74 vs 8.08 ms, 4 rows 10.56 vs 7.72 (34560 x 576: 3.75 vs 2.82, 3.95 vs 2.88); the same bits. */
+#if MR_MAX == 4
 #define REGS_PATH_ROWS (2 * REGS_MAX_ROWS)
+#else
+#define REGS_PATH_ROWS REGS_MAX_ROWS
+#endif
 
 
 /* ``streamed``: the row is one of a weight read front to back (a matmul's tile), so the bytes
