@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from xlserve.kernels import attention_ops, portable_library
+from xlserve.layers.window import Window
 
 BUILDS = [isa for isa in portable_library.available_isas() if portable_library.library(isa) is not None]
 pytestmark = pytest.mark.skipif(not BUILDS, reason="no C compiler or not an x86-64 CPU with AVX2")
@@ -60,3 +61,47 @@ def test_rows_match_torch_and_keep_their_bits_alone_and_on_any_thread_count(isa,
         assert torch.equal(attention_ops.paged_attention(lib, *step, scale), got)
     finally:
         torch.set_num_threads(threads)
+
+
+def _windowed_reference(q, k_cache, v_cache, table, row_seq, row_first, row_len, scale, sinks):
+    out = []
+    for t in range(q.shape[0]):
+        slots = table[row_seq[t], row_first[t]:row_len[t]]
+        group = q.shape[1] // k_cache.shape[1]
+        k, v = (c[slots].float().repeat_interleave(group, 1).transpose(0, 1) for c in (k_cache, v_cache))
+        logits = (q[t].float().unsqueeze(1) @ k.transpose(1, 2)).squeeze(1) * scale  # [Hq, keys]
+        if sinks is not None:
+            logits = torch.cat((logits, sinks.float()[:, None]), dim=1)
+        weights = logits.softmax(-1)[:, :k.shape[1]]
+        out.append((weights.unsqueeze(1) @ v).squeeze(1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("isa", BUILDS, ids=lambda isa: isa.value)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("window", [Window(24), Window(24, chunked=True)], ids=["sliding", "chunked"])
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
+def test_windows_and_sinks_match_torch_and_cut_tiles_by_position(isa, dtype, window, with_sinks):
+    """Each row sees only its window (Gemma 3 / gpt-oss sliding, Llama 4 chunks), a sink joins
+    its softmax (gpt-oss); its bits are the same alone, and when its table starts later (a
+    window's layer group frees the blocks before the window)."""
+    lib, (hq, hk, d) = portable_library.library(isa), (9, 3, 64)
+    q, k_cache, v_cache, table, row_seq, row_len = _step(dtype, hq, hk, d, torch.Generator().manual_seed(7))
+    row_first = window.first_keys(row_len - 1)
+    sinks = torch.randn(hq, generator=torch.Generator().manual_seed(8)) if with_sinks else None
+    scale = d ** -0.5
+    got = attention_ops.paged_attention(lib, q, k_cache, v_cache, table, row_seq, row_len, scale, row_first, None,
+                                        sinks)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.float(), _windowed_reference(q, k_cache, v_cache, table, row_seq, row_first,
+                                                                row_len, scale, sinks), atol=tol, rtol=tol)
+    for t in (0, 1, 2, 30, 41, 42, q.shape[0] - 1):
+        alone = attention_ops.paged_attention(lib, q[t:t + 1], k_cache, v_cache, table, row_seq[t:t + 1],
+                                              row_len[t:t + 1], scale, row_first[t:t + 1], None, sinks)
+        assert torch.equal(alone[0], got[t]), t
+    # every table cut at its rows' earliest first key (not a multiple of the tile: 16)
+    starts = torch.stack([row_first[row_seq == s].min() for s in range(table.shape[0])])
+    cut = torch.nn.utils.rnn.pad_sequence([table[s, starts[s]:] for s in range(table.shape[0])], batch_first=True)
+    later = attention_ops.paged_attention(lib, q, k_cache, v_cache, cut.contiguous(), row_seq,
+                                          row_len - starts[row_seq], scale, row_first - starts[row_seq], starts, sinks)
+    assert torch.equal(later, got)

@@ -183,7 +183,7 @@ class ModelRunner:
             lens, firsts = torch.tensor([n for _, n, _ in decode]), torch.tensor([f for _, _, f in decode])
             blocks = block_table([t for t, _, _ in decode], len(decode), -(-int(lens.max()) // self.block_size), 0)
             table, real, _ = decode_context(blocks, lens, int((lens - firsts).max()), self.block_size, firsts)
-            meta.decode_slots = table.to(self.device)
+            meta.decode_slots, meta.decode_firsts = table.to(self.device), firsts.to(self.device)
             meta.decode_mask = additive_mask(real.view(len(decode), 1, 1, -1).to(self.device),
                                              self.dtype)
             meta.window_masks[window] = meta.decode_mask  # every slot listed is inside the window

@@ -15,6 +15,12 @@
  * (2.5 MB of K/V streamed per row and head). Each (row, head) still runs exactly the ops of
  * one tile after another, so the grouping changes no bit.
  *
+ * Windowed layers (sliding: Gemma 3, gpt-oss; chunked: Llama 4) give each row a first key
+ * too, and a table may start at any position. Tiles are cut where positions are multiples of
+ * KT, whatever the table's start, and a row folds the part of each tile inside its window, so
+ * its partition of keys into tiles depends on its positions alone. Attention sinks (gpt-oss)
+ * are a key with a logit and no value: each (row, head)'s softmax starts from it.
+ *
  * fp32 or bf16 queries, cache and output (bf16 widened exactly, fp32 math, the output
  * rounded once).
  */
@@ -98,8 +104,9 @@ typedef struct {
 typedef struct {
   const void *q, *k_cache, *v_cache;
   void* out;
-  const int64_t *slots, *row_len;
-  int64_t q_stride, Hq, kh, D, slot_stride;
+  const int64_t *slots, *row_first, *row_len; /* row t sees table entries [row_first[t], row_len[t]) */
+  const float* sinks;                          /* [Hq] or NULL */
+  int64_t q_stride, Hq, kh, D, slot_stride, pos0; /* pos0: the position of the table's entry 0 */
   float scale;
   int bf16;
 } attention_args;
@@ -120,27 +127,33 @@ static void gather_tile(const attention_args* a, int64_t j0, int n, float* kt, f
 static void attend_item(const attention_args* a, work_item w, float* qf, float* acc, running_softmax* st, float* kt,
                         float* vt) {
   const int64_t D = a->D;
-  int64_t longest = 0;
+  int64_t longest = 0, earliest = INT64_MAX;
   for (int64_t r = 0; r < w.rows; ++r) {
-    const int64_t len = a->row_len[w.row + r];
+    const int64_t len = a->row_len[w.row + r], first = a->row_first ? a->row_first[w.row + r] : 0;
     longest = len > longest ? len : longest;
+    earliest = first < earliest ? first : earliest;
     for (int64_t h = 0; h < w.heads; ++h) {
       const int64_t k = r * w.heads + h, at = (w.row + r) * a->q_stride + (w.head + h) * D;
       for (int64_t d = 0; d < D; d += VW) {
         vstore(qf + k * D + d, load_lanes(a->q, at + d, a->bf16));
         vstore(acc + k * D + d, vzero());
       }
-      st[k] = (running_softmax){-INFINITY, 0.0f};
+      /* a sink: a key of logit sinks[head] and no value, folded before any other */
+      st[k] = a->sinks ? (running_softmax){a->sinks[w.head + h], 1.0f} : (running_softmax){-INFINITY, 0.0f};
     }
   }
-  for (int64_t j0 = 0; j0 < longest; j0 += KT) {
-    gather_tile(a, j0, longest - j0 < KT ? (int)(longest - j0) : KT, kt, vt);
+  /* tiles [j0, j1) end where the position is a multiple of KT */
+  for (int64_t j0 = earliest, j1; j0 < longest; j0 = j1) {
+    j1 = j0 + KT - (a->pos0 + j0) % KT;
+    j1 = j1 < longest ? j1 : longest;
+    gather_tile(a, j0, (int)(j1 - j0), kt, vt);
     for (int64_t r = 0; r < w.rows; ++r) {
-      const int64_t left = a->row_len[w.row + r] - j0;
-      if (left <= 0) continue;
-      const int n = left < KT ? (int)left : KT;
+      const int64_t first = a->row_first ? a->row_first[w.row + r] : 0, len = a->row_len[w.row + r];
+      const int64_t lo = first > j0 ? first : j0, hi = len < j1 ? len : j1;
+      if (hi <= lo) continue;
       for (int64_t k = r * w.heads; k < (r + 1) * w.heads; ++k)
-        fold_tile(qf + k * D, kt, vt, n, D, a->scale, st + k, acc + k * D);
+        fold_tile(qf + k * D, kt + (lo - j0) * D, vt + (lo - j0) * D, (int)(hi - lo), D, a->scale, st + k,
+                  acc + k * D);
     }
   }
   for (int64_t r = 0; r < w.rows; ++r)
@@ -166,12 +179,15 @@ static int64_t row_blocks(const int64_t* row_seq, int64_t T, int64_t rows_per_it
 }
 
 /* q: [T, Hq, D] with row stride q_stride (elements); caches: [slots, Hk, D]; table: [S, L]
- * slot tables; row_seq[t] its table, row_len[t] the keys it sees (its own included);
- * out: [T, Hq, D] contiguous. D a multiple of 16, Hq a multiple of Hk. */
-void xl_paged_attention(const void* q, int64_t q_stride, int64_t T, int64_t Hq, int64_t Hk, int64_t D,
-                        const void* k_cache, const void* v_cache, const int64_t* table, int64_t L,
-                        const int64_t* row_seq, const int64_t* row_len, float scale, void* out, int bf16,
-                        int threads) {
+ * slot tables, table_pos0[s] the position of table s's entry 0 (NULL: 0); row_seq[t] its
+ * table, row t attends to entries [row_first[t], row_len[t]) of it (row_first NULL: from 0;
+ * its own key included); sinks [Hq] or NULL; out: [T, Hq, D] contiguous. D a multiple of 16,
+ * Hq a multiple of Hk. */
+void xl_paged_attention_windowed(const void* q, int64_t q_stride, int64_t T, int64_t Hq, int64_t Hk, int64_t D,
+                                 const void* k_cache, const void* v_cache, const int64_t* table, int64_t L,
+                                 const int64_t* table_pos0, const int64_t* row_seq, const int64_t* row_first,
+                                 const int64_t* row_len, const float* sinks, float scale, void* out, int bf16,
+                                 int threads) {
   const int64_t group = Hq / Hk;
   int64_t* starts = (int64_t*)malloc(sizeof(int64_t) * (T + 1));
   int64_t rows_per_item = STATES / group < 1 ? 1 : STATES / group;
@@ -190,8 +206,9 @@ void xl_paged_attention(const void* q, int64_t q_stride, int64_t T, int64_t Hq, 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < blocks * Hk * per_kv; ++i) {
       const int64_t b = i / (Hk * per_kv), kh = i / per_kv % Hk, part = i % per_kv;
-      const attention_args a = {q, k_cache, v_cache, out, table + row_seq[starts[b]] * L, row_len, q_stride, Hq,
-                                kh, D, Hk * D, scale, bf16};
+      const int64_t seq = row_seq[starts[b]];
+      const attention_args a = {q, k_cache, v_cache, out, table + seq * L, row_first, row_len, sinks, q_stride, Hq,
+                                kh, D, Hk * D, table_pos0 ? table_pos0[seq] : 0, scale, bf16};
       const work_item w = {starts[b], starts[b + 1] - starts[b], kh * group + part * heads, heads};
       attend_item(&a, w, qf, acc, st, kt, vt);
     }
@@ -202,4 +219,13 @@ void xl_paged_attention(const void* q, int64_t q_stride, int64_t T, int64_t Hq, 
     free(vt);
   }
   free(starts);
+}
+
+/* Every row from its table's entry 0, no sinks (full attention; the one-call decode step). */
+void xl_paged_attention(const void* q, int64_t q_stride, int64_t T, int64_t Hq, int64_t Hk, int64_t D,
+                        const void* k_cache, const void* v_cache, const int64_t* table, int64_t L,
+                        const int64_t* row_seq, const int64_t* row_len, float scale, void* out, int bf16,
+                        int threads) {
+  xl_paged_attention_windowed(q, q_stride, T, Hq, Hk, D, k_cache, v_cache, table, L, NULL, row_seq, NULL, row_len,
+                              NULL, scale, out, bf16, threads);
 }

@@ -87,12 +87,13 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None = None  # [B, L] context slots, padded
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] additive: 0 where a slot is real, else -inf
     decode_lens: torch.Tensor | None = None  # [B] context length of each decode row
+    decode_firsts: torch.Tensor | None = None  # [B] position of decode_slots[:, 0] (a window's group); None: 0
     decode_new_slots: torch.Tensor | None = None  # [B] where each decode row's new K/V goes (CPU)
     cpu_kernels: bool = False  # the CPU kernels apply to this step (device, dtype, head shapes, library)
     decode_path: DecodePath = DecodePath.EAGER  # chosen once per step (engine/decode_plan.py)
     prefills: list[PrefillChunk] = field(default_factory=list)
     window_masks: dict = field(default_factory=dict)  # Window -> decode mask, built once per step
-    context: tuple | None = None  # (table, row_seq, row_len) of the paged CPU kernel, built once per step
+    contexts: dict = field(default_factory=dict)  # Window or None -> the paged CPU kernel's tables, once per step
     groups: dict = field(default_factory=dict)  # KV layer group -> its own metadata (engine/kv_groups.py)
 
     @property
@@ -112,28 +113,42 @@ class AttentionMetadata:
         return mask
 
 
-    def context_tables(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Every row's context for ``attention_ops.paged_attention``: a slot table per sequence
-        (decode rows, then prefill chunks), each row's table and its number of keys (itself
-        included). None when a chunk's table does not start at position 0 (a window's group)."""
-        if self.context is None:
-            if any(c.context_start for c in self.prefills):
-                return None
-            tables, row_seq, row_len = [], torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64)
-            if self.decode_rows is not None:
-                tables += list(self.decode_slots)
-                row_seq[self.decode_rows] = torch.arange(len(self.decode_rows))
-                row_len[self.decode_rows] = self.decode_lens
-            for chunk in self.prefills:
-                slots = chunk.context_slots if chunk.context_slots is not None else \
-                    self.slot_mapping[chunk.start:chunk.end]
-                n = chunk.end - chunk.start
-                row_seq[chunk.start:chunk.end] = len(tables)
-                row_len[chunk.start:chunk.end] = torch.arange(len(slots) - n + 1, len(slots) + 1)
-                tables.append(slots)
-            table = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True) if tables else torch.zeros(1, 1)
-            self.context = (table.to(torch.int64).contiguous(), row_seq, row_len)
-        return self.context
+    def context_tables(self, rows: int, window: Window | None = None) -> tuple[torch.Tensor, ...]:
+        """Every row's context for ``attention_ops.paged_attention``, built once per step and
+        window: a slot table per sequence (decode rows, then prefill chunks) and the position
+        of its entry 0, each row's table, its first entry (``window``: the first key it sees)
+        and its number of entries (itself included)."""
+        if window not in self.contexts:
+            self.contexts[window] = self._context_tables(rows, window)
+        return self.contexts[window]
+
+    def _context_tables(self, rows: int, window: Window | None) -> tuple[torch.Tensor, ...]:
+        tables, starts = [], []  # each sequence's slots, and the position of its entry 0
+        row_seq, row_len = torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64)
+        q_pos = torch.zeros(rows, dtype=torch.int64)  # each row's position
+        row_pos0 = torch.zeros(rows, dtype=torch.int64)  # the position of its table's entry 0
+        if self.decode_rows is not None:
+            b = len(self.decode_rows)
+            firsts = self.decode_firsts if self.decode_firsts is not None else torch.zeros(b, dtype=torch.int64)
+            tables += list(self.decode_slots)
+            starts += firsts.tolist()
+            row_seq[self.decode_rows] = torch.arange(b)
+            row_len[self.decode_rows] = self.decode_lens - firsts
+            q_pos[self.decode_rows], row_pos0[self.decode_rows] = self.decode_lens - 1, firsts
+        for chunk in self.prefills:
+            slots = chunk.context_slots if chunk.context_slots is not None else \
+                self.slot_mapping[chunk.start:chunk.end]
+            n, rows_of = chunk.end - chunk.start, slice(chunk.start, chunk.end)
+            row_seq[rows_of] = len(tables)
+            row_len[rows_of] = torch.arange(len(slots) - n + 1, len(slots) + 1)
+            q_pos[rows_of] = chunk.context_start + row_len[rows_of] - 1
+            row_pos0[rows_of] = chunk.context_start
+            tables.append(slots)
+            starts.append(chunk.context_start)
+        table = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True) if tables else torch.zeros(1, 1)
+        row_first = (window.first_keys(q_pos) - row_pos0).clamp(min=0) if window is not None else None
+        return (table.to(torch.int64).contiguous(), row_seq, row_len, row_first,
+                torch.tensor(starts or [0], dtype=torch.int64))
 
 
 class AttentionBackend(ABC):
@@ -157,12 +172,13 @@ class TorchSDPABackend(AttentionBackend):
                                             meta.decode_lens, scale or q.shape[-1] ** -0.5)
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
+        lib = attention_ops.kernel_for(q, k_cache)
+        if lib is not None:  # CPU: one reduction order per row, whatever the step (batch-invariant)
+            table, row_seq, row_len, row_first, table_pos0 = meta.context_tables(q.shape[0], window)
+            return attention_ops.paged_attention(lib, q, k_cache, v_cache, table, row_seq, row_len,
+                                                 scale or q.shape[-1] ** -0.5, row_first, table_pos0, sinks)
         if window is not None or sinks is not None:
             return _masked(q, k_cache, v_cache, meta, window, scale, sinks)
-        lib = attention_ops.kernel_for(q, k_cache)
-        context = meta.context_tables(q.shape[0]) if lib is not None else None
-        if context is not None:  # CPU: one reduction order per row, whatever the step (batch-invariant)
-            return attention_ops.paged_attention(lib, q, k_cache, v_cache, *context, scale or q.shape[-1] ** -0.5)
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
             rows = meta.decode_rows

@@ -26,3 +26,7 @@ class Window:
     def first_key(self, q_pos: int) -> int:
         """The earliest key position any query at ``q_pos`` or later sees."""
         return (q_pos // self.size) * self.size if self.chunked else max(q_pos - self.size + 1, 0)
+
+    def first_keys(self, q_pos: torch.Tensor) -> torch.Tensor:
+        """``first_key`` of each query position in a tensor."""
+        return (q_pos // self.size) * self.size if self.chunked else (q_pos - self.size + 1).clamp(min=0)
