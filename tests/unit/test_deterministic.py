@@ -1,6 +1,7 @@
 """``deterministic=True``: output that does not depend on the step a token is computed in —
 alone or in a batch of mixed lengths, chunked, after a prefix hit, recomputed after
-preemption, on one thread or two — bit for bit, in float32 and in bfloat16."""
+preemption, on one thread or two — bit for bit, in float32 and in bfloat16, for every
+model family."""
 
 import pytest
 import torch
@@ -21,8 +22,15 @@ def _run(llm: LLM, prompts: list[list[int]], first: int = 0) -> list[tuple]:
     return [(tuple(o.outputs[0].token_ids), tuple(lp["logprob"] for lp in o.outputs[0].logprobs)) for o in outs]
 
 
+# every family: windowed layers (gemma3's sliding, llama4's chunks, gpt-oss's sliding with sinks)
+# and MoE routers and experts take the invariant kernels too
+FAMILIES = ["llama", "llama3", "qwen2", "qwen3", "mistral", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe",
+            "deepseek_v3", "llama4", "gpt_oss"]
+SMALL_POOL = {"gemma3": 16, "llama4": 20}
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_deterministic_output_does_not_depend_on_the_step(tiny_model_dirs, name, dtype):
     path, prompts = tiny_model_dirs[name], _prompts()
     llm = LLM(path, dtype=dtype, deterministic=True, kv_cache_tokens=2048)
@@ -35,7 +43,8 @@ def test_deterministic_output_does_not_depend_on_the_step(tiny_model_dirs, name,
         assert _run(llm, prompts[4:8], 4) == batched[4:8]
     finally:
         torch.set_num_threads(before)
-    small = LLM(path, dtype=dtype, deterministic=True, num_kv_blocks=14, max_num_batched_tokens=16,
-                enable_prefix_caching=False)
+    # a pool that preempts; a window's layer group takes blocks of its own besides (gemma3, llama4)
+    small = LLM(path, dtype=dtype, deterministic=True, num_kv_blocks=SMALL_POOL.get(name, 14),
+                max_num_batched_tokens=16, enable_prefix_caching=False)
     assert _run(small, prompts[8:16], 8) == batched[8:16]  # chunked, and recomputed after preemption
     assert small.engine.stats()["num_preemptions"] > 0

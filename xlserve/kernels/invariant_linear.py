@@ -15,14 +15,16 @@ MARK = "_xlserve_invariant"  # set on a weight whose matmuls take this kernel (a
 
 def mark(model: nn.Module) -> int:
     """Mark every dense CPU matmul weight this kernel takes (fp32 or bf16, input width a
-    multiple of 16); returns how many."""
+    multiple of 16): each module's ``weight`` [N, K], and stacked weights [E, N, K] of a
+    module that says it has them (``matmul_stacks``: a MoE layer's experts); returns how many."""
     count = 0
     for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.device.type == "cpu"
-                and weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[1] % 16 == 0):
-            setattr(weight, MARK, True)
-            count += 1
+        names = ("weight", *getattr(module, "matmul_stacks", ()))
+        for weight in (getattr(module, name, None) for name in names):
+            if (isinstance(weight, torch.Tensor) and weight.dim() in (2, 3) and weight.device.type == "cpu"
+                    and weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[-1] % 16 == 0):
+                setattr(weight, MARK, True)
+                count += 1
     return count
 
 

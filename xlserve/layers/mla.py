@@ -13,6 +13,11 @@ values where full K/V of 128 heads would take 128 x (192 + 128) = 40,960.
   latent space, attends to the cached entries as one shared KV head, and its latent output
   is mapped to values by W_uv afterwards: per decode token the work is O(context x latent),
   not O(context x heads x head_dim).
+- Under ``--deterministic`` every row, prefill or decode, takes the absorbed form through
+  the batch-invariant paged kernel, the latent as one KV head, and each head's absorption
+  and value map through the invariant matmul: a token's bits do not depend on whether it was
+  prefilled or decoded, nor on the batch. Prefill pays the latent width per key (~3x the
+  expanded form's attention work).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xlserve.kernels import attention_ops, invariant_linear
 from xlserve.layers.attention import AttentionMetadata, PrefillChunk, additive_mask
 from xlserve.layers.linear import Linear, Split
 from xlserve.layers.norm import RMSNorm
@@ -76,6 +82,9 @@ class LatentAttention(nn.Module):
         entries = torch.cat((self.kv_a_layernorm(latent), k_rope.squeeze(1)), dim=-1)  # [n, rank + rope]
         cache = self.kv_cache[0]
         cache.index_copy_(0, meta.slot_mapping, entries.unsqueeze(1))
+        lib = attention_ops.kernel_for(q, cache)
+        if lib is not None and invariant_linear.applies(x, self.kv_b_proj.weight):  # --deterministic
+            return self.o_proj(self._absorbed_rows(lib, q_nope, q_rope, cache, meta).view(n, -1))
         out = x.new_empty(n, self.num_heads, self.v_dim)
         if meta.decode_rows is not None:
             rows = meta.decode_rows
@@ -115,3 +124,18 @@ class LatentAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, context, context[..., :self.rank], attn_mask=meta.decode_mask,
                                              scale=self.scale, enable_gqa=True)
         return torch.einsum("bhr,hvr->bhv", out.squeeze(2), w_uv)
+
+    def _absorbed_rows(self, lib, q_nope, q_rope, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Every row in the absorbed form on the invariant kernels: [n, heads, v_dim]."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.rank)
+        if getattr(self, "_w_uk_rows", None) is None:  # each head's W_uk as [rank, nope] rows, once
+            self._w_uk_rows = w[:, :self.nope_dim].transpose(1, 2).contiguous()
+        heads = range(self.num_heads)
+        q_latent = torch.stack([invariant_linear.linear(q_nope[:, h], self._w_uk_rows[h], None, None)
+                                for h in heads], dim=1)
+        q = torch.cat((q_latent, q_rope), dim=-1)  # [n, H, rank + rope]
+        table, row_seq, row_len, _, _ = meta.context_tables(q.shape[0])
+        # the latent is the values too: the rope part of each output is computed and dropped
+        latent = attention_ops.paged_attention(lib, q, cache, cache, table, row_seq, row_len, self.scale)
+        return torch.stack([invariant_linear.linear(latent[:, h, :self.rank], w[h, self.nope_dim:], None, None)
+                            for h in heads], dim=1)

@@ -8,10 +8,8 @@ import torch
 from torch import nn
 
 from xlserve.kernels import decode_step, portable_library
+from xlserve.layers.activation import ACTIVATIONS, silu
 from xlserve.layers.linear import Linear, MergedLinear, Split
-
-ACTIVATION = {"silu": nn.functional.silu,
-              "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh")}
 
 
 class MLP(nn.Module):
@@ -19,14 +17,14 @@ class MLP(nn.Module):
         """``reduce``: under tensor parallelism, sum the ranks' parts here (False: the caller
         sums them, with its own: a MoE layer's shared expert)."""
         super().__init__()
-        self.act = ACTIVATION[activation]
+        self.act = ACTIVATIONS[activation]
         size = intermediate_size
         self.gate_up_proj = MergedLinear(hidden_size, {"gate": size, "up": size}, bias=False)
         self.down_proj = Linear(size, hidden_size, bias=False, split=Split.ROW, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        lib = portable_library.row_kernels(gate_up) if self.act is nn.functional.silu else None
+        lib = portable_library.row_kernels(gate_up) if self.act is silu else None
         if lib is not None:  # what the one-call decode step computes (decode_step.c)
             return self.down_proj(decode_step.silu_mul(lib, gate_up))
         gate, up = gate_up.chunk(2, dim=-1)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from xlserve.kernels import invariant_linear
+from xlserve.layers.activation import sigmoid, silu
 from xlserve.layers.linear import Linear, copy_checked
 from xlserve.layers.mlp import MLP
 from xlserve.layers.quantized import QuantizedExperts, QuantizedWeight
@@ -55,23 +57,30 @@ class ExpertRouter(nn.Module):
         the reference implementations round them."""
         return ROUTES[self.kind](self, x)
 
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The router's logits in x's dtype; under --deterministic one reduction order per row,
+        so a token's experts do not move with the batch."""
+        if invariant_linear.applies(x, self.weight):
+            return invariant_linear.linear(x, self.weight, self.bias, None)
+        return nn.functional.linear(x, self.weight.to(x.dtype), self.bias)
+
     def _softmax_topk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs = torch.softmax(nn.functional.linear(x, self.weight, self.bias).float(), dim=-1)
+        probs = torch.softmax(self._logits(x).float(), dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
 
     def _sigmoid_topk_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        top, experts = nn.functional.linear(x, self.weight, self.bias).topk(self.top_k, dim=-1)
-        return torch.sigmoid(top.float()).to(x.dtype), experts
+        top, experts = self._logits(x).topk(self.top_k, dim=-1)
+        return sigmoid(top.float()).to(x.dtype), experts
 
     def _topk_softmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        top, experts = nn.functional.linear(x, self.weight, self.bias).topk(self.top_k, dim=-1)
+        top, experts = self._logits(x).topk(self.top_k, dim=-1)
         return torch.softmax(top, dim=-1), experts
 
     def _sigmoid_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = nn.functional.linear(x.float(), self.weight.float()).sigmoid()
+        scores = sigmoid(self._logits(x.float()))
         biased = scores + self.e_score_correction_bias
         groups = biased.view(len(x), self.n_group, -1)
         group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)
@@ -97,6 +106,8 @@ class SparseMoE(nn.Module):
     ``--data-parallel-attention`` each rank has its own tokens: they go to the ranks that hold
     their experts and come back (``expert_exchange.py``); the shared expert is whole on every
     rank and nothing is reduced."""
+
+    matmul_stacks = ("w_gate_up", "w_down")  # [experts, N, K]: --deterministic marks them (invariant_linear)
 
     def __init__(self, arch: ModelArch):
         super().__init__()
@@ -227,7 +238,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._exchanged(x) if self.exchange.active else self._routed(x)
         if self.shared_expert_gate is not None:
-            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out += sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         elif self.shared_expert is not None:
             out += self.shared_expert(x)
         return self.tp.all_reduce(out)
@@ -295,9 +306,9 @@ class SparseMoE(nn.Module):
         gate, up = gate_up[:, :size], gate_up[:, size:]
         if self.limit:
             gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
-            hidden = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+            hidden = (up + 1) * (gate * sigmoid(gate * self.alpha))
         else:
-            hidden = nn.functional.silu(gate) * up
+            hidden = silu(gate) * up
         out = self._project(1, index, hidden)
         return out if self.b_down is None or not self.add_down_bias else out + self.b_down[index]
 
@@ -305,7 +316,10 @@ class SparseMoE(nn.Module):
         """Expert ``index``'s gate/up (``which`` 0) or down (1) projection of ``x``."""
         if self.kept_experts is not None:
             return self.kept_experts[index][which].linear(x)
-        return x @ (self.w_gate_up, self.w_down)[which][index].T
+        stacked = (self.w_gate_up, self.w_down)[which]
+        if invariant_linear.applies(x, stacked):  # --deterministic: a row's bits whatever the expert's batch
+            return invariant_linear.linear(x, stacked[index], None, None)
+        return x @ stacked[index].T
 
 
 def _every_expert(base: str, loaded: torch.Tensor, bias: bool) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from xlserve.kernels import cpu_ops, decode_step, portable_library
+from xlserve.layers.activation import silu
 from xlserve.layers.attention import AttentionMetadata, DecodePath, Window, get_attention_backend
 from xlserve.layers.embedding import Embedding, LMHead
 from xlserve.layers.linear import Linear, MergedLinear, Split, copy_checked, linear
@@ -135,7 +136,7 @@ class DecoderLayer(nn.Module):
         attn, mlp, norms = self.self_attn, self.mlp, (self.input_layernorm, self.post_attention_layernorm)
         if not (isinstance(attn, Attention) and isinstance(mlp, MLP) and all(type(n) is RMSNorm for n in norms)
                 and attn.rope_in_kernel and attn.window is None and attn.sinks is None and attn.kv_group == 0
-                and mlp.act is nn.functional.silu and attn.head_dim <= decode_step.MAX_HEAD_DIM):
+                and mlp.act is silu and attn.head_dim <= decode_step.MAX_HEAD_DIM):
             return None
         dtype = norms[0].weight.dtype
         if any(c.dtype != dtype or not c.is_contiguous() for c in attn.kv_cache):
