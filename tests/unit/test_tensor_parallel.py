@@ -17,12 +17,12 @@ MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "llama4", "gpt_oss"] 
 _SINGLE: dict[str, list] = {}
 
 
-def _run(path: str, check=None, **options) -> list:
+def _run(path: str, check=None, dtype: str = "float32", **options) -> list:
     gen = torch.Generator().manual_seed(4)
     shared = torch.randint(3, 320, (40,), generator=gen).tolist()
     prompts = [shared + torch.randint(3, 320, (n,), generator=gen).tolist() for n in (3, 17, 30)] + [shared[:9]]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
-    with LLM(path, dtype="float32", kv_cache_tokens=2048, max_num_batched_tokens=32, **options) as llm:
+    with LLM(path, dtype=dtype, kv_cache_tokens=2048, max_num_batched_tokens=32, **options) as llm:
         first = llm.generate(prompts, params)
         again = llm.generate(prompts[:2], params)  # prefix-cache hits
         seeded = llm.generate(prompts[1:3], SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=11,
@@ -65,6 +65,20 @@ def test_data_parallel_attention_with_speculation_equals_one_rank(tiny_model_dir
     split = _run(path, check=proposed, tensor_parallel_size=2, expert_parallel=True, data_parallel_attention=True,
                  speculative="ngram", num_speculative_tokens=3)
     assert [a.outputs[0].token_ids for a in single] == [b.outputs[0].token_ids for b in split]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_data_parallel_attention_in_bfloat16_gives_one_process_bits(tiny_model_dirs, arch):
+    """Under data-parallel attention no reduction is split across ranks (attention and the dense
+    layers whole on each, an expert's rows computed on one rank, its results added in expert
+    order), so with --deterministic bfloat16 output is one process's, bit for bit: tokens,
+    seeded draws and logprobs."""
+    options = dict(dtype="bfloat16", deterministic=True)
+    single = _run(tiny_model_dirs[arch], **options)
+    split = _run(tiny_model_dirs[arch], tensor_parallel_size=2, expert_parallel=True, data_parallel_attention=True,
+                 **options)
+    assert [(o.outputs[0].token_ids, [lp["logprob"] for lp in o.outputs[0].logprobs]) for o in single] == \
+        [(o.outputs[0].token_ids, [lp["logprob"] for lp in o.outputs[0].logprobs]) for o in split]
 
 
 def test_each_rank_holds_its_share(tiny_model_dirs, caplog):
