@@ -82,7 +82,7 @@ class LatentAttention(nn.Module):
         entries = torch.cat((self.kv_a_layernorm(latent), k_rope.squeeze(1)), dim=-1)  # [n, rank + rope]
         cache = self.kv_cache[0]
         cache.index_copy_(0, meta.slot_mapping, entries.unsqueeze(1))
-        lib = attention_ops.kernel_for(q, cache)
+        lib = attention_ops.kernel_for(cache, cache)  # an absorbed query is an entry's width, one KV head
         if lib is not None and invariant_linear.applies(x, self.kv_b_proj.weight):  # --deterministic
             return self.o_proj(self._absorbed_rows(lib, q_nope, q_rope, cache, meta).view(n, -1))
         out = x.new_empty(n, self.num_heads, self.v_dim)
