@@ -48,3 +48,20 @@ def test_deterministic_output_does_not_depend_on_the_step(tiny_model_dirs, name,
                 max_num_batched_tokens=16, enable_prefix_caching=False)
     assert _run(small, prompts[8:16], 8) == batched[8:16]  # chunked, and recomputed after preemption
     assert small.engine.stats()["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "llama4", "gpt_oss"])
+def test_moe_routing_does_not_depend_on_the_batch_without_the_flag(tiny_model_dirs, name, dtype):
+    """A token's experts and their weights are the same bits alone as in a batch of 37, with or
+    without --deterministic: a MoE file whose other weights are kept quantized (a MoE GGUF: the
+    router is its one dense matmul) is then batch-invariant without the flag."""
+    from xlserve.layers.moe import SparseMoE
+    llm = LLM(tiny_model_dirs[name], dtype=dtype, kv_cache_tokens=256)
+    gate = next(m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE)).gate
+    x = torch.randn(37, gate.weight.shape[1], generator=torch.Generator().manual_seed(3)).to(getattr(torch, dtype))
+    with torch.inference_mode():
+        weights, experts = gate(x)
+        for i in range(len(x)):
+            alone = gate(x[i:i + 1])
+            assert torch.equal(alone[0][0], weights[i]) and torch.equal(alone[1][0], experts[i]), i

@@ -13,23 +13,35 @@ from xlserve.kernels import portable_library, quant_ops
 MARK = "_xlserve_invariant"  # set on a weight whose matmuls take this kernel (a model loaded --deterministic)
 
 
+def takes(weight: object) -> bool:
+    """The kernel computes matmuls against this weight: a dense CPU tensor, fp32 or bf16, [N, K]
+    or stacked [E, N, K], K a multiple of 16."""
+    return (isinstance(weight, torch.Tensor) and weight.dim() in (2, 3) and weight.device.type == "cpu"
+            and weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[-1] % 16 == 0)
+
+
 def mark(model: nn.Module) -> int:
-    """Mark every dense CPU matmul weight this kernel takes (fp32 or bf16, input width a
-    multiple of 16): each module's ``weight`` [N, K], and stacked weights [E, N, K] of a
-    module that says it has them (``matmul_stacks``: a MoE layer's experts); returns how many."""
+    """Mark every dense CPU matmul weight this kernel takes: each module's ``weight`` [N, K], and
+    stacked weights [E, N, K] of a module that says it has them (``matmul_stacks``: a MoE
+    layer's experts); returns how many."""
     count = 0
     for module in model.modules():
         names = ("weight", *getattr(module, "matmul_stacks", ()))
         for weight in (getattr(module, name, None) for name in names):
-            if (isinstance(weight, torch.Tensor) and weight.dim() in (2, 3) and weight.device.type == "cpu"
-                    and weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[-1] % 16 == 0):
+            if takes(weight):
                 setattr(weight, MARK, True)
                 count += 1
     return count
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A matmul of a model loaded --deterministic takes the kernel."""
     return getattr(weight, MARK, False) and x.device.type == "cpu" and portable_library.kernels() is not None
+
+
+def available(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The kernel can take this matmul, whatever the model was loaded with."""
+    return x.device.type == "cpu" and takes(weight) and portable_library.kernels() is not None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

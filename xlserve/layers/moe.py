@@ -58,9 +58,12 @@ class ExpertRouter(nn.Module):
         return ROUTES[self.kind](self, x)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The router's logits in x's dtype; under --deterministic one reduction order per row,
-        so a token's experts do not move with the batch."""
-        if invariant_linear.applies(x, self.weight):
+        """The router's logits in x's dtype, on the CPU with one reduction order per row whether
+        or not the model is --deterministic: a token's experts must not move with the batch
+        (torch's float32 matmul gave 37 of 37 rows other bits alone than in a batch of 37), and
+        the router is a small matmul. A MoE file whose other weights are kept quantized is then
+        batch-invariant without the flag."""
+        if invariant_linear.available(x, self.weight):
             return invariant_linear.linear(x, self.weight, self.bias, None)
         return nn.functional.linear(x, self.weight.to(x.dtype), self.bias)
 
