@@ -61,7 +61,7 @@ class ExpertRouter(nn.Module):
         """The router's logits in x's dtype, on the CPU with one reduction order per row whether
         or not the model is --deterministic: a token's experts must not move with the batch
         (torch's float32 matmul gave 37 of 37 rows other bits alone than in a batch of 37), and
-        the router is a small matmul. A MoE file whose other weights are kept quantized is then
+        the router is a small matmul. A MoE file whose other matmuls are kept quantized is then
         batch-invariant without the flag."""
         if invariant_linear.available(x, self.weight):
             return invariant_linear.linear(x, self.weight, self.bias, None)
