@@ -54,8 +54,8 @@ def test_deterministic_output_does_not_depend_on_the_step(tiny_model_dirs, name,
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "llama4", "gpt_oss"])
 def test_moe_routing_does_not_depend_on_the_batch_without_the_flag(tiny_model_dirs, name, dtype):
     """A token's experts and their weights are the same bits alone as in a batch of 37, with or
-    without --deterministic: a MoE file whose other weights are kept quantized (a MoE GGUF: the
-    router is its one dense matmul) is then batch-invariant without the flag."""
+    without --deterministic: a MoE file whose other matmuls are kept quantized (a Qwen3-MoE or
+    Mixtral GGUF: the router is its one dense matmul) is then batch-invariant without the flag."""
     from xlserve.layers.moe import SparseMoE
     llm = LLM(tiny_model_dirs[name], dtype=dtype, kv_cache_tokens=256)
     gate = next(m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE)).gate
