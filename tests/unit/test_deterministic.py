@@ -51,17 +51,19 @@ def test_deterministic_output_does_not_depend_on_the_step(tiny_model_dirs, name,
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "llama4", "gpt_oss"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "deepseek_v3", "llama4", "gpt_oss"])
 def test_moe_routing_does_not_depend_on_the_batch_without_the_flag(tiny_model_dirs, name, dtype):
     """A token's experts and their weights are the same bits alone as in a batch of 37, with or
     without --deterministic: a MoE file whose other matmuls are kept quantized (a Qwen3-MoE or
     Mixtral GGUF: the router is its one dense matmul) is then batch-invariant without the flag."""
     from xlserve.layers.moe import SparseMoE
     llm = LLM(tiny_model_dirs[name], dtype=dtype, kv_cache_tokens=256)
-    gate = next(m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE)).gate
-    x = torch.randn(37, gate.weight.shape[1], generator=torch.Generator().manual_seed(3)).to(getattr(torch, dtype))
+    moe = next(m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE))
+    x = torch.randn(37, moe.gate.weight.shape[1], generator=torch.Generator().manual_seed(3)).to(getattr(torch, dtype))
     with torch.inference_mode():
-        weights, experts = gate(x)
+        weights, experts = moe.gate(x)
+        shared = moe._shared_gate(x) if moe.shared_expert_gate is not None else None  # Qwen2-MoE's
         for i in range(len(x)):
-            alone = gate(x[i:i + 1])
+            alone = moe.gate(x[i:i + 1])
             assert torch.equal(alone[0][0], weights[i]) and torch.equal(alone[1][0], experts[i]), i
+            assert shared is None or torch.equal(moe._shared_gate(x[i:i + 1])[0], shared[i]), i

@@ -241,10 +241,18 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._exchanged(x) if self.exchange.active else self._routed(x)
         if self.shared_expert_gate is not None:
-            out += sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out += sigmoid(self._shared_gate(x)) * self.shared_expert(x)
         elif self.shared_expert is not None:
             out += self.shared_expert(x)
         return self.tp.all_reduce(out)
+
+    def _shared_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """Qwen2-MoE's shared-expert gate, like the router one reduction order per row on the CPU
+        (its weight is dense in a GGUF too)."""
+        weight = self.shared_expert_gate.weight
+        if invariant_linear.available(x, weight):
+            return invariant_linear.linear(x, weight, None, None)
+        return self.shared_expert_gate(x)
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The token slots grouped by expert (sorted once): their experts, token rows and weights."""
