@@ -17,17 +17,21 @@ import torch
 _GELU_BETA = math.sqrt(2.0 / math.pi)
 
 
+def _sigmoid_float32(y: torch.Tensor) -> torch.Tensor:
+    return torch.exp(-y).add_(1.0).reciprocal_()
+
+
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
     if x.device.type != "cpu":
         return torch.sigmoid(x)
-    return torch.exp(-x.float()).add_(1.0).reciprocal_().to(x.dtype)
+    return _sigmoid_float32(x.float()).to(x.dtype)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     if x.device.type != "cpu":
         return torch.nn.functional.silu(x)
     y = x.float()
-    return (y * torch.exp(-y).add_(1.0).reciprocal_()).to(x.dtype)
+    return (y * _sigmoid_float32(y)).to(x.dtype)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -125,8 +125,6 @@ class AttentionMetadata:
     def _context_tables(self, rows: int, window: Window | None) -> tuple[torch.Tensor, ...]:
         tables, starts = [], []  # each sequence's slots, and the position of its entry 0
         row_seq, row_len = torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64)
-        q_pos = torch.zeros(rows, dtype=torch.int64)  # each row's position
-        row_pos0 = torch.zeros(rows, dtype=torch.int64)  # the position of its table's entry 0
         if self.decode_rows is not None:
             b = len(self.decode_rows)
             firsts = self.decode_firsts if self.decode_firsts is not None else torch.zeros(b, dtype=torch.int64)
@@ -134,21 +132,21 @@ class AttentionMetadata:
             starts += firsts.tolist()
             row_seq[self.decode_rows] = torch.arange(b)
             row_len[self.decode_rows] = self.decode_lens - firsts
-            q_pos[self.decode_rows], row_pos0[self.decode_rows] = self.decode_lens - 1, firsts
         for chunk in self.prefills:
             slots = chunk.context_slots if chunk.context_slots is not None else \
                 self.slot_mapping[chunk.start:chunk.end]
-            n, rows_of = chunk.end - chunk.start, slice(chunk.start, chunk.end)
-            row_seq[rows_of] = len(tables)
-            row_len[rows_of] = torch.arange(len(slots) - n + 1, len(slots) + 1)
-            q_pos[rows_of] = chunk.context_start + row_len[rows_of] - 1
-            row_pos0[rows_of] = chunk.context_start
+            n = chunk.end - chunk.start
+            row_seq[chunk.start:chunk.end] = len(tables)
+            row_len[chunk.start:chunk.end] = torch.arange(len(slots) - n + 1, len(slots) + 1)
             tables.append(slots)
             starts.append(chunk.context_start)
         table = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True) if tables else torch.zeros(1, 1)
-        row_first = (window.first_keys(q_pos) - row_pos0).clamp(min=0) if window is not None else None
-        return (table.to(torch.int64).contiguous(), row_seq, row_len, row_first,
-                torch.tensor(starts or [0], dtype=torch.int64))
+        table_pos0 = torch.tensor(starts or [0], dtype=torch.int64)
+        row_first = None
+        if window is not None:  # a row at position p sees from window.first_key(p): an index into its table
+            row_pos0 = table_pos0[row_seq]
+            row_first = (window.first_keys(row_pos0 + row_len - 1) - row_pos0).clamp(min=0)
+        return table.to(torch.int64).contiguous(), row_seq, row_len, row_first, table_pos0
 
 
 class AttentionBackend(ABC):

@@ -72,6 +72,7 @@ class LatentAttention(nn.Module):
         self.positional = positional
         self.scale = softmax_scale(arch)
         self.kv_cache: tuple[torch.Tensor] | None = None  # ([slots, 1, rank + rope_dim],)
+        self._w_uk_rows: torch.Tensor | None = None  # --deterministic: each head's W_uk as [rank, nope] rows
 
     def forward(self, tables, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
@@ -128,7 +129,7 @@ class LatentAttention(nn.Module):
     def _absorbed_rows(self, lib, q_nope, q_rope, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Every row in the absorbed form on the invariant kernels: [n, heads, v_dim]."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.rank)
-        if getattr(self, "_w_uk_rows", None) is None:  # each head's W_uk as [rank, nope] rows, once
+        if self._w_uk_rows is None:  # made once, from the loaded weight
             self._w_uk_rows = w[:, :self.nope_dim].transpose(1, 2).contiguous()
         heads = range(self.num_heads)
         q_latent = torch.stack([invariant_linear.linear(q_nope[:, h], self._w_uk_rows[h], None, None)
