@@ -165,3 +165,31 @@ def test_a_caller_that_leaves_during_the_kv_pull_starts_nothing(workers):
                       ).json() == {"peers": 1}
     httpx.post(f"{p}/internal/kv/release", json={"pin_id": first["kv"]["pin_id"]})
     _wait_unpinned(p)
+
+
+def test_each_router_registers_its_own_kv_peers(workers):
+    """Two routers with other prefill workers share this decode worker: the second's
+    registration does not take the first's KV server away; a router replaces only its own."""
+    p, d = workers
+    kv = httpx.get(f"{p}/internal/info").json()["kv"]
+    mine, theirs = [{"host": kv["host"], "port": kv["port"]}], [{"host": "127.0.0.1", "port": 9}]
+
+    def pull(tail):
+        ids = _ids(p)[:-3] + tail
+        first = _generate(p, prompt_token_ids=ids, sampling=SAMPLING, kv_export=True).json()
+        out = _generate(d, prompt_token_ids=ids, kv_import=first["kv"], resume_token_ids=first["token_ids"],
+                        sampling=SAMPLING, on_pull_failure="recompute").json()
+        httpx.post(f"{p}/internal/kv/release", json={"pin_id": first["kv"]["pin_id"]})
+        return out["kv_import"]
+    try:  # the fixture registered as the anonymous router: here that one allows another server
+        httpx.post(f"{d}/internal/kv/peers", json={"peers": theirs})
+        assert httpx.post(f"{d}/internal/kv/peers", json={"peers": mine, "router": "a"}).json() == {"peers": 1}
+        assert httpx.post(f"{d}/internal/kv/peers", json={"peers": theirs, "router": "b"}).json() == {"peers": 1}
+        assert pull([80, 81, 82])["error"] is None  # a's server is still allowed
+        httpx.post(f"{d}/internal/kv/peers", json={"peers": theirs, "router": "a"})
+        assert "not a registered KV server" in pull([83, 84, 85])["error"]
+    finally:
+        httpx.post(f"{d}/internal/kv/peers", json={"peers": [], "router": "a"})
+        httpx.post(f"{d}/internal/kv/peers", json={"peers": [], "router": "b"})
+        httpx.post(f"{d}/internal/kv/peers", json={"peers": mine})
+    _wait_unpinned(p)

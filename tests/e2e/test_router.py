@@ -1,10 +1,12 @@
 """The router in front of real prefill and decode workers, driven by the openai client."""
 
+import time
+
 import httpx
 import openai
 import pytest
 
-from tests.e2e.server_process import metric, running_server
+from tests.e2e.server_process import metric, metric_value, running_server
 
 MODEL = "SmolLM2-135M-Instruct"
 SYSTEM = "You are a meticulous travel assistant. " * 25
@@ -421,3 +423,27 @@ def test_a_started_router_never_loads_torch(cluster):
     assert not [m.path for m in router.memory_maps() if "libtorch" in m.path]
     worker = psutil.Process(PROCESSES[cluster["d"]].pid)
     assert [m.path for m in worker.memory_maps() if "libtorch" in m.path]  # the check can see torch
+
+
+def test_clients_that_leave_at_the_first_token_cost_the_decode_worker_no_recompute(cluster):
+    """A streaming client that leaves as its first token arrives (from the prefill) leaves while
+    the router asks the decode worker, which pulls the KV before it answers: the prefill's pin
+    must outlive that pull. Released at once, the pull was refused and the decode worker
+    computed the whole prompt again for nobody (10 of 12 such clients did)."""
+    def recomputed():
+        return metric_value(cluster["d"], "xlserve_kv_pulls_total", outcome="recomputed")
+    before, pulled = recomputed(), metric_value(cluster["d"], "xlserve_kv_pulls_total", outcome="pulled")
+    for i in range(12):
+        body = {"model": MODEL, "max_tokens": 32, "stream": True,
+                "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Count to {i}."}]}
+        with httpx.stream("POST", f"{cluster['router']}/v1/chat/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if '"content"' in line:
+                    break  # the first token: leave
+    deadline = time.monotonic() + 20
+    while (metric(cluster["p"], "xlserve_kv_pins") or metric(cluster["d"], "xlserve_num_requests_running")) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(cluster["p"], "xlserve_kv_pins") == 0 and metric(cluster["p"], "xlserve_kv_blocks_used") == 0
+    assert recomputed() == before
+    assert metric_value(cluster["d"], "xlserve_kv_pulls_total", outcome="pulled") > pulled

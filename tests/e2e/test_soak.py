@@ -1,7 +1,8 @@
 """The soak: agentic clients through ``xlserve serve`` (router, prefill, decode) for a while,
 with every process sampled. It passes when nothing grows: RSS between the first and the
 last fifth of the run under 5%, threads and open files on a line that stays flat, and
-after the load every worker back to no KV block in use, no pin, nothing running or waiting,
+no KV pull refused on the decode worker (a pin released before its pull); after the load
+every worker back to no KV block in use, no pin, nothing running or waiting,
 the router with nothing in flight, each process back to its idle threads and files.
 
 ``XLSERVE_SOAK_MINUTES`` (1 in CI; ``make soak MINUTES=30``), ``XLSERVE_SOAK_CLIENTS`` (4)
@@ -18,7 +19,7 @@ import httpx
 
 from tests.e2e.load import MODEL, AgenticLoad
 from tests.e2e.process_sampler import ProcessSampler, fifth_ratio, growth, write_report
-from tests.e2e.server_process import PROCESSES, running_server
+from tests.e2e.server_process import PROCESSES, metric_value, running_server
 from xlserve.openai.serving_common import PREPROCESS_THREADS
 
 MINUTES = float(os.environ.get("XLSERVE_SOAK_MINUTES", "1"))
@@ -93,11 +94,13 @@ def test_soak_through_the_router_leaks_nothing():
         sampler.stop()
         idle_after = {r["process"]: r for r in _wait_idle(sampler)}
         assert PROCESSES[url].poll() is None
+        # a pull refused (its pin released too soon) costs the decode worker the whole prompt again
+        recomputed = metric_value(sampler.workers["decode"], "xlserve_kv_pulls_total", outcome="recomputed")
         assert {r["process"]: r["pid"] for r in idle_after.values()} == sampler.pids  # none restarted
     results = [o.result for o in outcomes]
     summary = {"minutes": MINUTES, "clients": CLIENTS, "requests": len(outcomes), "ok": results.count("ok"),
                "aborted": results.count("aborted"), "other": sorted(set(results) - {"ok", "aborted"}),
-               "longest_s": round(max(o.end - o.start for o in outcomes), 2),
+               "longest_s": round(max(o.end - o.start for o in outcomes), 2), "kv_pulls_recomputed": recomputed,
                "rss_last_fifth_over_first": {p: round(fifth_ratio(sampler.series(p, "rss_mib")), 4)
                                              for p in sampler.pids},
                "growth": {p: {f: round(growth(sampler.series(p, f)), 2) for f in ("rss_mib", "threads", "open_files")}
@@ -108,6 +111,7 @@ def test_soak_through_the_router_leaks_nothing():
         write_report(sampler, summary, REPORT)
     assert summary["other"] == [] and summary["ok"] > 0  # every request answered, or left by its client
     assert summary["longest_s"] < AgenticLoad.DEADLINE_S
+    assert summary["kv_pulls_recomputed"] == 0, summary
     for process, after in idle_after.items():
         before = idle_before[process]
         assert not any(after.get(k) for k in HELD), {k: after.get(k) for k in ("process", *HELD)}

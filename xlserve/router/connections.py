@@ -14,18 +14,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import httpx
 
 
-async def open_response(http: httpx.AsyncClient, request: httpx.Request) -> httpx.Response:
-    """``http.send(request, stream=True)``, never cancelled half way."""
+async def open_response(http: httpx.AsyncClient, request: httpx.Request,
+                        on_abandoned: Callable[[asyncio.Future], None] | None = None) -> httpx.Response:
+    """``http.send(request, stream=True)``, never cancelled half way. ``on_abandoned(sending)``:
+    the caller was cancelled while the send was in flight (it goes on; ``sending`` settles later)."""
     sending = asyncio.ensure_future(http.send(request, stream=True))
     try:
         return await asyncio.shield(sending)
     except asyncio.CancelledError:
         sending.add_done_callback(_close_unwanted)
+        if on_abandoned is not None:
+            on_abandoned(sending)
         raise
 
 
@@ -35,9 +39,10 @@ def _close_unwanted(sending: asyncio.Future) -> None:
 
 
 @contextlib.asynccontextmanager
-async def streamed(http: httpx.AsyncClient, method: str, url: str, **kwargs) -> AsyncIterator[httpx.Response]:
+async def streamed(http: httpx.AsyncClient, method: str, url: str, on_abandoned=None,
+                   **kwargs) -> AsyncIterator[httpx.Response]:
     """``http.stream(method, url, ...)`` on ``open_response``."""
-    response = await open_response(http, http.build_request(method, url, **kwargs))
+    response = await open_response(http, http.build_request(method, url, **kwargs), on_abandoned)
     try:
         yield response
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -100,6 +101,7 @@ class WorkerPool:
     def __init__(self, prefill: list[str], decode: list[str], both: list[str], api_key: str = "",
                  worker_timeout: float = 60.0, backend_api_key: str = ""):
         self.workers = _workers(prefill, "prefill") + _workers(decode, "decode") + _workers(both, "both")
+        self.router_id = secrets.token_hex(8)  # registers this router's KV peers apart from other routers'
         if not self.workers:
             raise ValueError("the router needs at least one worker: --prefill/--decode URLs or --both URLs")
         for kind in dict.fromkeys(w.kind for w in self.workers):  # a request starts and ends on one kind
@@ -182,7 +184,7 @@ class WorkerPool:
         peers = frozenset(w.kv_server for w in self.workers if w.kv_server is not None)
         for w in self.xlserve_workers:
             if w.healthy and w.role in ("decode", "both") and w.peers_sent != peers:
-                body = {"peers": [{"host": h, "port": p} for h, p in sorted(peers)]}
+                body = {"peers": [{"host": h, "port": p} for h, p in sorted(peers)], "router": self.router_id}
                 try:
                     r = await self.http.post(f"{w.url}/internal/kv/peers", json=body, timeout=5)
                     if r.status_code == 200:

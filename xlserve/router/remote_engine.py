@@ -28,10 +28,11 @@ from xlserve.openai.engine_client import EngineBusy, EngineClient, RequestFailed
 from xlserve.router.connections import streamed
 from xlserve.router.faults import NoWorker, WorkerFailed, describe, error_of
 from xlserve.router.index import PrefixIndex
+from xlserve.router.kv_pin import PinnedKV
 from xlserve.router.policies import RouteRequest, RoutingPolicy
 from xlserve.router.pool import XLSERVE, Worker, WorkerPool
 from xlserve.sampling_params import SamplingParams
-from xlserve.worker.messages import GenerateResult, KVHandle, LogprobEntry, StreamEvent
+from xlserve.worker.messages import GenerateResult, LogprobEntry, StreamEvent
 
 log = logging.getLogger(__name__)
 SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("session", default=None)
@@ -243,18 +244,17 @@ class RemoteEngine(EngineClient):
         acc.cached = first.cached_tokens
         self.observe_cached(route, prefill, acc.cached)
         paused = first.finish_reason == FinishReason.PAUSED  # else the answer ended with its first token
-        handle, released = first.kv, set()
+        pin = PinnedKV(self.pool.http, prefill.url, first.kv)
         try:  # however the answer ends (a client that leaves at the first token too), the pin goes
             yield acc.add(first.token_ids, first.text, _logprobs(first.logprobs),
                           None if paused else _reason(first.finish_reason))
             if not paused:
                 return
             async for out in self._retrying("decode", route, lambda w: self._stream(
-                    w, prompt_ids, params, handle, acc, request_id, resume=first.token_ids,
-                    on_first=lambda: self._release(prefill, handle, released)), decode):
+                    w, prompt_ids, params, pin, acc, request_id, resume=first.token_ids), decode):
                 yield out
         finally:
-            await self._release(prefill, handle, released)
+            await pin.release()
 
     async def _prefill(self, worker: Worker, ids, params, request_id) -> GenerateResult:
         """The prefill's answer. A client that leaves meanwhile does not cancel the call:
@@ -268,8 +268,8 @@ class RemoteEngine(EngineClient):
             raise
 
     def _release_orphan(self, worker: Worker, call: asyncio.Future) -> None:
-        if not call.cancelled() and call.exception() is None and call.result().kv is not None:
-            asyncio.ensure_future(self._release(worker, call.result().kv, set()))
+        if not call.cancelled() and call.exception() is None:
+            asyncio.ensure_future(PinnedKV(self.pool.http, worker.url, call.result().kv).release())
 
     async def _prefill_call(self, worker: Worker, ids, params, request_id) -> GenerateResult:
         body = {"request_id": f"{request_id}-p", "prompt_token_ids": ids, "sampling": params.to_wire(),
@@ -290,28 +290,23 @@ class RemoteEngine(EngineClient):
         except ValidationError as e:
             raise WorkerFailed(f"malformed prefill answer: {e.errors()[0]['msg']}") from e
 
-    async def _release(self, worker: Worker, handle: KVHandle | None, released: set) -> None:
-        if handle is not None and handle.pin_id not in released:
-            released.add(handle.pin_id)
-            try:
-                await self.pool.http.post(f"{worker.url}/internal/kv/release", json={"pin_id": handle.pin_id})
-            except httpx.HTTPError as e:  # the pin expires on its own
-                log.warning("releasing KV pin on %s failed: %s", worker.url, describe(e))
-
     @staticmethod
     def _moved(route: RouteRequest, failed: Worker, worker: Worker) -> None:
         """A retry moved a stage: the header of a response not yet sent names the new worker."""
         route.served_by[:] = [s.replace(f"={failed.url}", f"={worker.url}") if s.endswith(f"={failed.url}") else s
                               for s in route.served_by]
 
-    async def _stream(self, worker, ids, params, handle, acc, request_id, resume=(), on_first=None, route=None):
+    async def _stream(self, worker, ids, params, pin: PinnedKV | None, acc, request_id, resume=(), route=None):
+        """``pin``: the prefill's KV this worker pulls, handed back once it has."""
+        handle = pin.handle if pin is not None else None
         body = {"request_id": f"{request_id}-d", "prompt_token_ids": ids, "sampling": params.to_wire(),
                 "stream": True, "kv_import": handle.model_dump() if handle is not None else None,
                 "resume_token_ids": list(resume)}
         worker.decode_tokens += len(ids)
         started, admitted = time.monotonic(), False
         try:
-            async with streamed(self.pool.http, "POST", f"{worker.url}/internal/generate", json=body) as r:
+            async with streamed(self.pool.http, "POST", f"{worker.url}/internal/generate", json=body,
+                                on_abandoned=pin.release_after if pin is not None else None) as r:
                 if r.status_code != 200:
                     raise refusal(worker, r.status_code, await r.aread())
                 admitted = True
@@ -326,8 +321,8 @@ class RemoteEngine(EngineClient):
                         event = StreamEvent.model_validate(raw)
                     except ValidationError as e:
                         raise WorkerFailed(f"malformed stream event: {e.errors()[0]['msg']}") from e
-                    if first_event and on_first is not None:
-                        asyncio.ensure_future(on_first())
+                    if first_event and pin is not None:  # it pulled
+                        asyncio.ensure_future(pin.release())
                     first_event = False
                     if event.finish_reason and route is not None:  # this worker computed the prompt
                         acc.cached = event.cached_tokens or 0

@@ -9,9 +9,9 @@
   itself, or fails, as the policy says. ``resume_token_ids`` (the prefill's output)
   makes the decode side continue that answer exactly as one worker would.
 - ``POST /internal/kv/release``: unpin exported blocks once the decode side has them.
-- ``POST /internal/kv/peers``: the KV servers this worker may pull from (the router
-  registers its prefill workers'; ``--kv-peers`` adds fixed ones). A handle naming any
-  other address is refused before a connection is made.
+- ``POST /internal/kv/peers``: the KV servers this worker may pull from (each router
+  registers its prefill workers', replacing its own last set; ``--kv-peers`` adds fixed
+  ones). A handle naming any other address is refused before a connection is made.
 - ``GET /internal/kv/events?since=N&epoch=E``: block hashes stored/removed since N, or a
   snapshot when the reader cannot be caught up.
 - ``GET /internal/info``: role, model, block size and KV transfer address.
@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 
 from fastapi import FastAPI, Request, Response
 
@@ -49,6 +50,7 @@ from xlserve.worker.messages import (
 )
 
 log = logging.getLogger(__name__)
+MAX_ROUTERS = 64  # routers whose KV peers a decode worker keeps apart
 
 
 class Disaggregation:
@@ -59,7 +61,7 @@ class Disaggregation:
         server_cls, client_cls = transport(config.kv_transport)
         self.client = client_cls()
         self.fixed_peers = parse_peers(config.kv_peers)
-        self.registered_peers: set[tuple[str, int]] = set()  # set by the router
+        self.peers_by_router: OrderedDict[str, frozenset[tuple[str, int]]] = OrderedDict()  # set by routers
         self.server = None
         self.address: dict | None = None
         if config.role in ("prefill", "both"):
@@ -69,6 +71,18 @@ class Disaggregation:
                 return engine.call_blocking(lambda e, *args: e.kv.export_pinned(*args), pin_id, secret, hashes)
             self.server = server_cls(export, config.kv_host, config.kv_port)
             self.address = self.server.start()
+
+    @property
+    def registered_peers(self) -> frozenset[tuple[str, int]]:
+        return frozenset().union(*self.peers_by_router.values())
+
+    def register_peers(self, router: str, peers: frozenset[tuple[str, int]]) -> None:
+        """``router``'s prefill KV servers replace its last set; other routers' stay (the
+        oldest registrant beyond ``MAX_ROUTERS`` is forgotten)."""
+        self.peers_by_router.pop(router, None)
+        self.peers_by_router[router] = peers
+        while len(self.peers_by_router) > MAX_ROUTERS:
+            self.peers_by_router.popitem(last=False)
 
     def stop(self) -> None:
         if self.server is not None:
@@ -95,8 +109,10 @@ class Disaggregation:
             payload = await asyncio.to_thread(self.client.pull, handle.model_dump(), self.config.kv_pull_timeout,
                                               engine.kv.layout)
             blocks = await self.state.async_engine.call(lambda e, p: e.kv.import_blocks(p), payload)
+            self.state.metrics.kv_pulls.labels(outcome="pulled").inc()
             return PullReport(blocks=blocks, bytes=len(payload.data), seconds=time.monotonic() - start)
         except (TransferError, ValueError) as e:
+            self.state.metrics.kv_pulls.labels(outcome="failed" if policy == "fail" else "recomputed").inc()
             if policy == "fail":
                 raise ApiError(502, f"KV pull failed and the policy is 'fail': {e}", code="kv_pull_failed") from e
             return PullReport(blocks=0, bytes=0, seconds=time.monotonic() - start, error=str(e))
@@ -136,8 +152,9 @@ def add_internal_routes(app: FastAPI, state: WorkerState, config: ServerConfig, 
     @app.post("/internal/kv/peers", dependencies=api)
     async def peers(request: Request):
         req = await read_json(request, KVPeers, config.max_body_bytes)
-        disagg.registered_peers = {(p.host, p.port) for p in req.peers}
-        return {"peers": len(disagg.registered_peers)}
+        peers = frozenset((p.host, p.port) for p in req.peers)
+        disagg.register_peers(req.router, peers)
+        return {"peers": len(peers)}
 
     @app.post("/internal/kv/release", dependencies=api)
     async def release(request: Request):

@@ -106,3 +106,6 @@ class KVPeer(Request):
 
 class KVPeers(Request):
     peers: list[KVPeer] = Field(max_length=1024)
+    # Who registers them: each router replaces its own set, so routers with other prefill
+    # workers can share a decode worker ("": one anonymous registrant).
+    router: str = Field("", max_length=64)

@@ -169,6 +169,9 @@ class WorkerMetrics:
         self.requests = Counter("xlserve_request_success", "Finished requests by why they ended (abort: the "
                                 "client left or cancelled)", ["finished_reason"], registry=r)
         self.errors = Counter("xlserve_request_errors", "Requests refused", ["status"], registry=r)
+        self.kv_pulls = Counter("xlserve_kv_pulls", "KV hand-offs this decode worker pulled from a prefill worker, "
+                                "by outcome (recomputed: the pull failed and the prompt was computed here)",
+                                ["outcome"], registry=r)
         info = Gauge("xlserve_model_info", "Served model", ["model"], registry=r)
         info.labels(model=model_name).set(1)
         GCCollector(registry=r)  # python_gc_*: collections and objects freed, by generation
