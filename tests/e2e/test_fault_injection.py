@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from tests.e2e.load import CHAT, Load, result_of
+from tests.e2e.process_sampler import metric_sum
 from tests.e2e.server_process import PROCESSES, free_port, metric, metric_value, running_server, stop, wait_up
 
 
@@ -219,6 +220,8 @@ def test_ten_times_the_admitted_load_is_refused_with_retry_after_and_bounded():
         admitted = Burst(url, clients=4)
         time.sleep(10)
         alone = admitted.finish()
+        prefill_url = next(w["url"] for w in httpx.get(f"{url}/router/workers").json() if w["role"] == "prefill")
+        prefilled = metric_sum(httpx.get(f"{prefill_url}/metrics").text, "xlserve_request_success_total")
         burst, peak = Burst(url, clients=40), idle_rss
         for _ in range(40):
             time.sleep(0.5)
@@ -226,6 +229,8 @@ def test_ten_times_the_admitted_load_is_refused_with_retry_after_and_bounded():
         outcomes = burst.finish()
         early = sum(metric_value(url, "xlserve_router_refused_before_parsing_total", stage=stage)
                     for stage in ("prefill", "decode"))
+        wasted = metric_value(url, "xlserve_router_prefills_wasted_total")
+        prefilled = metric_sum(httpx.get(f"{prefill_url}/metrics").text, "xlserve_request_success_total") - prefilled
         after = Burst(url, clients=4)
         time.sleep(5)
         recovered = after.finish()
@@ -233,11 +238,13 @@ def test_ten_times_the_admitted_load_is_refused_with_retry_after_and_bounded():
     base = sorted(o.end - o.start for o in alone if o.result == "ok")
     refused = [o for o in outcomes if o.result.startswith("429")]
     print(f"alone: {len(base)} ok, p50 {base[len(base) // 2]:.2f} s; 10x: {len(ok)} ok, p50 "
-          f"{ok[len(ok) // 2]:.2f} s, max {ok[-1]:.2f} s, {len(refused)} refused ({early:.0f} before parsing); "
+          f"{ok[len(ok) // 2]:.2f} s, max {ok[-1]:.2f} s, {len(refused)} refused ({early:.0f} before parsing, "
+          f"{wasted:.0f} after their prefill; {prefilled:.0f} prompts computed); "
           f"RSS {idle_rss:.0f} -> peak {peak:.0f} MiB")
     assert {o.result for o in outcomes} <= {"ok", "429"}  # every refusal a 429 with Retry-After
     assert refused and ok
     assert early > 0  # while every worker of a stage is full, the router refuses without the work
+    assert wasted == 0  # a request waits for a decode slot before its prefill, not after (router/decode_gate.py)
     assert ok[-1] < 10 * base[len(base) // 2] + 5  # an admitted request waits its turn, not forever
     assert peak < idle_rss * 1.2 + 200  # refused requests hold no memory
     assert {o.result for o in recovered} == {"ok"}

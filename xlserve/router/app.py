@@ -22,6 +22,7 @@ from xlserve.openai.errors import error_body
 from xlserve.openai.http_protocol import uvicorn_config
 from xlserve.openai.serving_common import WorkerState
 from xlserve.router.backend import parse_worker_address
+from xlserve.router.decode_gate import DecodeGate
 from xlserve.router.dispatch import Dispatcher
 from xlserve.router.faults import NoWorker, WorkerFailed
 from xlserve.router.index import PrefixIndex
@@ -71,10 +72,11 @@ def build_router_app(opts: RouterOptions, config: ServerConfig):
     tokenizer = load_model_tokenizer(opts.model, opts.chat_template)
     if opts.tokenize_with:
         render_on_server(tokenizer, parse_worker_address(opts.tokenize_with).url, pool.backend_headers)
-    metrics = RouterMetrics(pool, info["model"], opts.policy)
+    gate = DecodeGate(pool.decode_capacity, config.decode_queue, config.decode_queue_timeout)
+    metrics = RouterMetrics(pool, info["model"], opts.policy, gate)
     index = PrefixIndex(block_size=int(info["block_size"]))
     remote = RemoteEngine(pool, make_policy(opts.policy, opts.affinity, int(info["block_size"])), index,
-                          info, metrics)
+                          info, metrics, gate=gate)
     state = WorkerState(RouterFront(tokenizer, info, remote), remote, metrics, info["model"])
 
     def hook(request: Request) -> None:
@@ -82,7 +84,7 @@ def build_router_app(opts: RouterOptions, config: ServerConfig):
         SERVED_BY.set([])
         # Refused here it costs nothing; past this point a refusal costs a parse, a chat
         # template, a tokenization and a call to a worker (docs/reliability.md, 10x load).
-        if request.url.path in GENERATION_PATHS and (stage := pool.full_stage()):
+        if request.url.path in GENERATION_PATHS and (stage := pool.full_stage() or ("decode" if gate.full else None)):
             metrics.refused_early.labels(stage=stage).inc()
             raise EngineBusy(f"every {stage} worker is full")
 
@@ -102,7 +104,7 @@ def build_router_app(opts: RouterOptions, config: ServerConfig):
     async def _health():
         await asyncio.gather(*(pool.check(w) for w in pool.workers))
         await pool.sync_kv_peers()  # before the first request: decode workers know whom to pull from
-        app.state.health_task = asyncio.create_task(pool.health_loop(opts.health_interval, index))
+        app.state.health_task = asyncio.create_task(pool.health_loop(opts.health_interval, index, gate.wake))
     app.state.startup_hooks.insert(0, _health)  # the heap is frozen after it, with the pool's state
 
     @app.get("/router/workers", dependencies=app.state.api_dependencies if config.metrics_need_key else [])

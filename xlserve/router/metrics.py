@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from xlserve.router.decode_gate import DecodeGate
 from xlserve.router.pool import WorkerPool
 from xlserve.worker.metrics import EngineCollector, WorkerMetrics
 
@@ -12,7 +13,7 @@ PREDICTION_ERROR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 16, 64, 256, 10
 
 
 class RouterMetrics(WorkerMetrics):
-    def __init__(self, pool: WorkerPool, model_name: str, policy: str):
+    def __init__(self, pool: WorkerPool, model_name: str, policy: str, gate: DecodeGate):
         super().__init__(None, model_name)
         r = self.registry
         self.decisions = Counter("xlserve_router_decisions", "Routing decisions", ["policy", "stage", "worker"],
@@ -29,8 +30,15 @@ class RouterMetrics(WorkerMetrics):
         self.transfer_seconds = Histogram("xlserve_kv_transfer_seconds", "KV pull latency", registry=r)
         self.transfer_failures = Counter("xlserve_kv_transfer_failures", "KV pulls that failed", registry=r)
         self.refused_early = Counter("xlserve_router_refused_before_parsing",
-                                     "Requests answered 429 before parsing: every worker of a stage was full",
+                                     "Requests answered 429 before parsing: every worker of a stage was full "
+                                     "(decode: its slots taken and the router's queue for them full)",
                                      ["stage"], registry=r)
+        self.prefills_wasted = Counter("xlserve_router_prefills_wasted", "Prompts computed and then thrown away: "
+                                       "the decode worker refused the request as busy (429)", registry=r)
+        Gauge("xlserve_router_decode_slots_held", "Disaggregated requests holding a decode slot, from before "
+              "their prefill to their end", registry=r).set_function(lambda: gate.holding)
+        Gauge("xlserve_router_decode_queue", "Requests waiting for a decode slot before their prefill",
+              registry=r).set_function(lambda: gate.waiting)
         inflight = Gauge("xlserve_router_inflight_tokens", "In-flight tokens per worker", ["worker", "kind"],
                          registry=r)
         for w in pool.workers:

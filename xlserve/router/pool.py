@@ -35,7 +35,9 @@ class Worker:
     last_check: float = field(default_factory=time.monotonic)
     kv_seq: int = 0  # KV events read so far, and the worker's epoch they belong to
     kv_epoch: str = ""
-    kv_server: tuple[str, int] | None = None  # its KV transfer server (prefill roles), read from /internal/info
+    described: bool = False  # /internal/info read since it last came up (xlserve workers)
+    kv_server: tuple[str, int] | None = None  # its KV transfer server (prefill roles), from /internal/info
+    capacity: int | None = None  # requests it holds, running and waiting (decode roles), from /internal/info
     peers_sent: frozenset | None = None  # KV servers last registered with it (decode roles)
     engine_stats: dict = field(default_factory=dict)  # its engine's counters as of the last health check
     full_until: float = 0.0  # it answered 429: full until a request of ours there ends, or until then
@@ -54,6 +56,7 @@ class Worker:
         """It may come back as a new process: with another KV port, without registrations,
         (a foreign server) with another model or cache size."""
         self.kv_server, self.peers_sent, self.info = None, None, None
+        self.described, self.capacity = False, None
 
     @property
     def kind(self) -> BackendKind:
@@ -171,16 +174,29 @@ class WorkerPool:
                 return False
         return True
 
+    def decode_capacity(self) -> int | None:
+        """Requests the healthy xlserve decode workers hold together; None while one of them is
+        not yet described, or none is up (router/decode_gate.py)."""
+        workers = self.candidates("decode")
+        if not workers or any(w.capacity is None for w in workers):
+            return None
+        return sum(w.capacity for w in workers)
+
+    async def describe(self, worker: Worker) -> None:
+        """Its KV transfer server and capacity, once per process."""
+        try:
+            info = (await self.http.get(f"{worker.url}/internal/info", timeout=5)).json()
+            kv = info.get("kv")
+            worker.kv_server = (str(kv["host"]), int(kv["port"])) if kv and worker.role != "decode" else None
+            worker.capacity = int(info["max_requests"]) if "max_requests" in info else None
+            worker.described = True
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as e:
+            log.debug("/internal/info of %s: %s", worker.url, e)
+
     async def sync_kv_peers(self) -> None:
         """Tell every decode worker which KV servers it may pull from: those of the prefill
         workers (a decode worker refuses a handle naming any other address)."""
-        for w in self.xlserve_workers:
-            if w.healthy and w.role in ("prefill", "both") and w.kv_server is None:
-                try:
-                    kv = (await self.http.get(f"{w.url}/internal/info", timeout=5)).json().get("kv")
-                    w.kv_server = (str(kv["host"]), int(kv["port"])) if kv else None
-                except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
-                    log.debug("KV server of %s: %s", w.url, e)
+        await asyncio.gather(*(self.describe(w) for w in self.xlserve_workers if w.healthy and not w.described))
         peers = frozenset(w.kv_server for w in self.workers if w.kv_server is not None)
         for w in self.xlserve_workers:
             if w.healthy and w.role in ("decode", "both") and w.peers_sent != peers:
@@ -220,11 +236,13 @@ class WorkerPool:
         except (httpx.HTTPError, ValueError, AttributeError) as e:
             log.debug("engine stats of %s: %s", worker.url, e)
 
-    async def health_loop(self, interval: float, index=None) -> None:
+    async def health_loop(self, interval: float, index=None, on_checked=lambda: None) -> None:
+        """``on_checked()`` after each round: the decode stage may have grown or shrunk."""
         while True:
             await asyncio.gather(*(self.check(w) for w in self.workers))
             await asyncio.gather(*(self.poll_stats(w) for w in self.workers))
             await self.sync_kv_peers()
+            on_checked()
             if index is not None:
                 await asyncio.gather(*(self.poll_events(w, index) for w in self.workers))
             await asyncio.sleep(interval)

@@ -26,6 +26,7 @@ from xlserve.engine.request import FinishReason
 from xlserve.hashing import block_hashes
 from xlserve.openai.engine_client import EngineBusy, EngineClient, RequestFailed, RequestStream
 from xlserve.router.connections import streamed
+from xlserve.router.decode_gate import DecodeGate
 from xlserve.router.faults import NoWorker, WorkerFailed, describe, error_of
 from xlserve.router.index import PrefixIndex
 from xlserve.router.kv_pin import PinnedKV
@@ -128,8 +129,9 @@ class RemoteStream(RequestStream):
 
 class RemoteEngine(EngineClient):
     def __init__(self, pool: WorkerPool, policy: RoutingPolicy, index: PrefixIndex, info: dict, metrics=None,
-                 max_inflight: int = 1024):
+                 max_inflight: int = 1024, gate: DecodeGate | None = None):
         self.pool, self.policy, self.index, self.metrics = pool, policy, index, metrics
+        self.gate = gate if gate is not None else DecodeGate(pool.decode_capacity)
         self.block_size, self.max_model_len = int(info["block_size"]), int(info["max_model_len"])
         self.extra_key = bytes.fromhex(info.get("kv_extra_key", ""))
         self.max_inflight, self.inflight = max_inflight, 0
@@ -229,6 +231,12 @@ class RemoteEngine(EngineClient):
                     w, prompt_ids, params, None, acc, request_id, route=route), prefill):
                 yield out
             return
+        async with self.gate.slot():  # a decode slot before the prefill's work (router/decode_gate.py)
+            async for out in self._split(request_id, prompt_ids, params, route, acc, prefill, decode):
+                yield out
+
+    async def _split(self, request_id, prompt_ids, params, route, acc, prefill, decode):
+        """The prefill on one worker, its KV pulled by the decode worker, which answers the rest."""
         tried: set[str] = set()
         while True:  # retry the prefill on another worker if one fails before the first token
             if tried:
@@ -253,6 +261,10 @@ class RemoteEngine(EngineClient):
             async for out in self._retrying("decode", route, lambda w: self._stream(
                     w, prompt_ids, params, pin, acc, request_id, resume=first.token_ids), decode):
                 yield out
+        except EngineBusy:  # a full decode worker: the prompt was computed for nothing
+            if self.metrics is not None:
+                self.metrics.prefills_wasted.inc()
+            raise
         finally:
             await pin.release()
 

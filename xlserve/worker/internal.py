@@ -14,7 +14,8 @@
   ones). A handle naming any other address is refused before a connection is made.
 - ``GET /internal/kv/events?since=N&epoch=E``: block hashes stored/removed since N, or a
   snapshot when the reader cannot be caught up.
-- ``GET /internal/info``: role, model, block size and KV transfer address.
+- ``GET /internal/info``: role, model, block size, KV transfer address, and how many
+  requests it holds (running and waiting) before it answers 429.
 - ``GET /internal/stats``: the engine's counters (running, waiting, KV blocks, prefix
   cache), which the router re-exports in its /metrics with a ``worker`` label.
 """
@@ -139,7 +140,8 @@ def add_internal_routes(app: FastAPI, state: WorkerState, config: ServerConfig, 
     async def info():
         return {"role": config.role, "model": state.model_name, "block_size": state.engine.block_size,
                 "max_model_len": state.max_model_len, "kv": disagg.address,
-                "kv_extra_key": state.engine.extra_key.hex(), "model_path": state.engine.loaded.source.path}
+                "kv_extra_key": state.engine.extra_key.hex(), "model_path": state.engine.loaded.source.path,
+                "max_requests": state.async_engine.max_pending}
 
     @app.get("/internal/stats", dependencies=api)
     async def stats():
