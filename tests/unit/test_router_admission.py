@@ -45,6 +45,8 @@ def test_the_decode_capacity_is_the_healthy_decode_workers_once_all_are_describe
     assert pool.decode_capacity() == 10
     d2.healthy = False
     assert pool.decode_capacity() == 4
+    pool.workers[0].capacity = 3
+    assert pool.split_capacity() == 3 + 4  # in prefill and in decode
     d1.forget_process()  # it may come back with other limits
     d1.healthy = d2.healthy = True
     assert pool.decode_capacity() is None

@@ -22,7 +22,7 @@ from xlserve.openai.errors import error_body
 from xlserve.openai.http_protocol import uvicorn_config
 from xlserve.openai.serving_common import WorkerState
 from xlserve.router.backend import parse_worker_address
-from xlserve.router.decode_gate import DecodeGate
+from xlserve.router.decode_gate import UNBOUNDED, DecodeGate
 from xlserve.router.dispatch import Dispatcher
 from xlserve.router.faults import NoWorker, WorkerFailed
 from xlserve.router.index import PrefixIndex
@@ -72,11 +72,13 @@ def build_router_app(opts: RouterOptions, config: ServerConfig):
     tokenizer = load_model_tokenizer(opts.model, opts.chat_template)
     if opts.tokenize_with:
         render_on_server(tokenizer, parse_worker_address(opts.tokenize_with).url, pool.backend_headers)
-    gate = DecodeGate(pool.decode_capacity, config.decode_queue, config.decode_queue_timeout)
-    metrics = RouterMetrics(pool, info["model"], opts.policy, gate)
+    gates = (DecodeGate(pool.split_capacity, config.decode_queue, config.decode_queue_timeout),
+             DecodeGate(pool.decode_capacity, queue=UNBOUNDED))
+    metrics = RouterMetrics(pool, info["model"], opts.policy, gates)
     index = PrefixIndex(block_size=int(info["block_size"]))
     remote = RemoteEngine(pool, make_policy(opts.policy, opts.affinity, int(info["block_size"])), index,
-                          info, metrics, gate=gate)
+                          info, metrics, gates=gates)
+    gate = gates[0]
     state = WorkerState(RouterFront(tokenizer, info, remote), remote, metrics, info["model"])
 
     def hook(request: Request) -> None:
@@ -104,7 +106,7 @@ def build_router_app(opts: RouterOptions, config: ServerConfig):
     async def _health():
         await asyncio.gather(*(pool.check(w) for w in pool.workers))
         await pool.sync_kv_peers()  # before the first request: decode workers know whom to pull from
-        app.state.health_task = asyncio.create_task(pool.health_loop(opts.health_interval, index, gate.wake))
+        app.state.health_task = asyncio.create_task(pool.health_loop(opts.health_interval, index, remote.wake))
     app.state.startup_hooks.insert(0, _health)  # the heap is frozen after it, with the pool's state
 
     @app.get("/router/workers", dependencies=app.state.api_dependencies if config.metrics_need_key else [])

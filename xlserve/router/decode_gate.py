@@ -1,21 +1,27 @@
-"""Holds a disaggregated request back before its prefill while the decode stage is full.
+"""Holds disaggregated requests back so that no prompt is computed for a decode worker that
+would refuse it.
 
 Why: the decode worker is a PD pair's bottleneck (a prefill does one token of a request's
 work, the decode worker the rest). Without a gate a request could pass its prefill and then
-meet a full decode worker: its computed prompt thrown away with a 429, and under 10x the
-admitted load most of the stack's work went that way (docs/reliability.md). Making such
-requests wait behind the decode worker instead let that queue grow without bound.
+meet a full decode worker: its computed prompt thrown away with a 429. Under 10x the
+admitted load half the prompts the prefill worker computed went that way
+(docs/reliability.md).
 
-So a request takes one of the decode stage's slots before it is prefilled and keeps it to
-its end. The slots are what the router's decode workers hold (each its running plus
-waiting limit, from ``/internal/info``); a request that finds none free waits in a queue,
+The router uses two gates (``RemoteEngine``). Before its prefill a request takes one of
+the stack's slots (what its prefill and decode workers hold together: each its running
+plus waiting limit, from ``/internal/info``); one that finds none free waits in a queue,
 first come first served, of at most ``queue`` requests (0: as many as the slots), for at
 most ``timeout`` seconds (0: as long as it takes); beyond either, 429 with Retry-After.
+Past its prefill it takes a decode slot, waiting for one without a bound of its own (the
+first gate bounds how many can): a decode worker then never has more requests than it
+holds, and the prefill worker keeps computing the next prompts while it decodes. (One gate
+of the decode slots alone, taken before the prefill, left the decode worker short of work
+while the next prompts were computed: 69 answers in 20 s against 79 without a gate.)
 
 Invariants: ``holding`` counts the requests between ``slot()``'s entry and exit, each
-once; a slot handed to a waiter that gave up meanwhile is handed on, never lost; while the
-decode stage's size is unknown (a worker not yet described) or no decode worker is up,
-nothing is held back (the worker's own 429, or the router's 503, answers instead).
+once; a slot handed to a waiter that gave up meanwhile is handed on, never lost; while a
+stage's size is unknown (a worker not yet described) or none of its workers is up, nothing
+is held back (the worker's own 429, or the router's 503, answers instead).
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import contextlib
 from typing import AsyncIterator, Callable
 
 from xlserve.openai.engine_client import EngineBusy
+
+UNBOUNDED = 1 << 30  # a queue another gate bounds
 
 
 class DecodeGate:
@@ -60,6 +68,7 @@ class DecodeGate:
             self.wake()
 
     async def _enter(self) -> None:
+        self.wake()  # the stage may have grown, or become unknown, since the last request ended
         if not self._waiters and self._room():
             self.holding += 1
             return

@@ -13,7 +13,7 @@ PREDICTION_ERROR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 16, 64, 256, 10
 
 
 class RouterMetrics(WorkerMetrics):
-    def __init__(self, pool: WorkerPool, model_name: str, policy: str, gate: DecodeGate):
+    def __init__(self, pool: WorkerPool, model_name: str, policy: str, gates: tuple[DecodeGate, DecodeGate]):
         super().__init__(None, model_name)
         r = self.registry
         self.decisions = Counter("xlserve_router_decisions", "Routing decisions", ["policy", "stage", "worker"],
@@ -35,10 +35,10 @@ class RouterMetrics(WorkerMetrics):
                                      ["stage"], registry=r)
         self.prefills_wasted = Counter("xlserve_router_prefills_wasted", "Prompts computed and then thrown away: "
                                        "the decode worker refused the request as busy (429)", registry=r)
-        Gauge("xlserve_router_decode_slots_held", "Disaggregated requests holding a decode slot, from before "
-              "their prefill to their end", registry=r).set_function(lambda: gate.holding)
-        Gauge("xlserve_router_decode_queue", "Requests waiting for a decode slot before their prefill",
-              registry=r).set_function(lambda: gate.waiting)
+        queued = Gauge("xlserve_router_decode_queue", "Disaggregated requests waiting at the router: before their "
+                       "prefill for room in the stack, after it for room on a decode worker", ["where"], registry=r)
+        queued.labels(where="before_prefill").set_function(lambda: gates[0].waiting)
+        queued.labels(where="after_prefill").set_function(lambda: gates[1].waiting)
         inflight = Gauge("xlserve_router_inflight_tokens", "In-flight tokens per worker", ["worker", "kind"],
                          registry=r)
         for w in pool.workers:

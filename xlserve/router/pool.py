@@ -174,13 +174,21 @@ class WorkerPool:
                 return False
         return True
 
-    def decode_capacity(self) -> int | None:
-        """Requests the healthy xlserve decode workers hold together; None while one of them is
-        not yet described, or none is up (router/decode_gate.py)."""
-        workers = self.candidates("decode")
+    def capacity(self, stage: str) -> int | None:
+        """Requests the healthy xlserve workers of ``stage`` hold together; None while one of
+        them is not yet described, or none is up (router/decode_gate.py)."""
+        workers = self.candidates(stage)
         if not workers or any(w.capacity is None for w in workers):
             return None
         return sum(w.capacity for w in workers)
+
+    def decode_capacity(self) -> int | None:
+        return self.capacity("decode")
+
+    def split_capacity(self) -> int | None:
+        """Disaggregated requests the stack holds: in prefill, and in decode."""
+        prefill, decode = self.capacity("prefill"), self.capacity("decode")
+        return None if prefill is None or decode is None else prefill + decode
 
     async def describe(self, worker: Worker) -> None:
         """Its KV transfer server and capacity, once per process."""

@@ -26,7 +26,7 @@ from xlserve.engine.request import FinishReason
 from xlserve.hashing import block_hashes
 from xlserve.openai.engine_client import EngineBusy, EngineClient, RequestFailed, RequestStream
 from xlserve.router.connections import streamed
-from xlserve.router.decode_gate import DecodeGate
+from xlserve.router.decode_gate import UNBOUNDED, DecodeGate
 from xlserve.router.faults import NoWorker, WorkerFailed, describe, error_of
 from xlserve.router.index import PrefixIndex
 from xlserve.router.kv_pin import PinnedKV
@@ -129,9 +129,11 @@ class RemoteStream(RequestStream):
 
 class RemoteEngine(EngineClient):
     def __init__(self, pool: WorkerPool, policy: RoutingPolicy, index: PrefixIndex, info: dict, metrics=None,
-                 max_inflight: int = 1024, gate: DecodeGate | None = None):
+                 max_inflight: int = 1024, gates: tuple[DecodeGate, DecodeGate] | None = None):
         self.pool, self.policy, self.index, self.metrics = pool, policy, index, metrics
-        self.gate = gate if gate is not None else DecodeGate(pool.decode_capacity)
+        # Room in the stack before a prefill, then room on a decode worker (router/decode_gate.py).
+        self.gate, self.decode_slots = gates or (DecodeGate(pool.split_capacity),
+                                                 DecodeGate(pool.decode_capacity, queue=UNBOUNDED))
         self.block_size, self.max_model_len = int(info["block_size"]), int(info["max_model_len"])
         self.extra_key = bytes.fromhex(info.get("kv_extra_key", ""))
         self.max_inflight, self.inflight = max_inflight, 0
@@ -167,6 +169,11 @@ class RemoteEngine(EngineClient):
         if not single:
             route.served_by.append(f"decode={decode.url}")
         return RemoteStream(self._run(request_id, list(prompt_ids), params, route, prefill, decode))
+
+    def wake(self) -> None:
+        """The stages may have grown or shrunk (a health round): let waiters in."""
+        self.gate.wake()
+        self.decode_slots.wake()
 
     def route_for(self, prompt_ids) -> RouteRequest:
         served = SERVED_BY.get()
@@ -231,7 +238,7 @@ class RemoteEngine(EngineClient):
                     w, prompt_ids, params, None, acc, request_id, route=route), prefill):
                 yield out
             return
-        async with self.gate.slot():  # a decode slot before the prefill's work (router/decode_gate.py)
+        async with self.gate.slot():  # room in the stack before the prefill's work (router/decode_gate.py)
             async for out in self._split(request_id, prompt_ids, params, route, acc, prefill, decode):
                 yield out
 
@@ -258,9 +265,10 @@ class RemoteEngine(EngineClient):
                           None if paused else _reason(first.finish_reason))
             if not paused:
                 return
-            async for out in self._retrying("decode", route, lambda w: self._stream(
-                    w, prompt_ids, params, pin, acc, request_id, resume=first.token_ids), decode):
-                yield out
+            async with self.decode_slots.slot():
+                async for out in self._retrying("decode", route, lambda w: self._stream(
+                        w, prompt_ids, params, pin, acc, request_id, resume=first.token_ids), decode):
+                    yield out
         except EngineBusy:  # a full decode worker: the prompt was computed for nothing
             if self.metrics is not None:
                 self.metrics.prefills_wasted.inc()
