@@ -426,11 +426,11 @@ class ServerConfig:
     worker_timeout: float = _opt(60.0, "Router: seconds a worker may send nothing (no answer, no streamed "
                                  "token) before the request fails over and the worker is marked down.",
                                  commands=(ROUTER, SERVE))
-    decode_queue: int = _opt(0, "Router: requests held before their prefill while the decode workers are full "
-                             "(every running and waiting slot taken), served first come first served; beyond "
-                             "it, 429 with Retry-After. 0: as many as the decode workers hold.",
+    router_queue: int = _opt(0, "Router: requests held, first come first served, before their prefill while "
+                             "every slot of the workers is taken (each its --max-num-seqs plus --max-waiting); "
+                             "beyond it, 429 with Retry-After. 0: as many as the workers hold.",
                              commands=(ROUTER, SERVE))
-    decode_queue_timeout: float = _opt(0.0, "Router: seconds a request may wait for a decode slot before it is "
+    router_queue_timeout: float = _opt(0.0, "Router: seconds a request may wait in that queue before it is "
                                        "refused as busy (429 with Retry-After); 0: it waits as long as it takes.",
                                        commands=(ROUTER, SERVE))
     price_input: float = _opt(0.60, "Price per million uncached input tokens, reported in usage.cost.")
@@ -453,10 +453,10 @@ class ServerConfig:
             raise ValueError(f"worker_timeout must be in (0, 3600], got {self.worker_timeout}")
         if not 0 < self.hang_timeout <= 3600:
             raise ValueError(f"hang_timeout must be in (0, 3600], got {self.hang_timeout}")
-        if not 0 <= self.decode_queue <= 1_000_000:
-            raise ValueError(f"decode_queue must be in 0..1000000, got {self.decode_queue}")
-        if not 0 <= self.decode_queue_timeout <= 86400:
-            raise ValueError(f"decode_queue_timeout must be in [0, 86400] seconds, got {self.decode_queue_timeout}")
+        if not 0 <= self.router_queue <= 1_000_000:
+            raise ValueError(f"router_queue must be in 0..1000000, got {self.router_queue}")
+        if not 0 <= self.router_queue_timeout <= 86400:
+            raise ValueError(f"router_queue_timeout must be in [0, 86400] seconds, got {self.router_queue_timeout}")
         if not 0 < self.kv_pull_timeout <= 600:
             raise ValueError(f"kv_pull_timeout must be in (0, 600], got {self.kv_pull_timeout}")
 

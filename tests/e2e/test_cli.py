@@ -39,7 +39,7 @@ def test_each_command_shows_only_the_flags_it_takes():
         return set(re.findall(r"^\s+(--[a-z-]+)", _xlserve(command, "--help").stdout, re.M))
     serve, worker, router = flags("serve"), flags("worker"), flags("router")
     assert {"--role", "--kv-host", "--kv-port", "--kv-peers"} <= worker - serve - router  # serve picks these
-    assert {"--worker-timeout", "--decode-queue", "--decode-queue-timeout"} <= (router & serve) - worker
+    assert {"--worker-timeout", "--router-queue", "--router-queue-timeout"} <= (router & serve) - worker
     assert "--hang-timeout" in worker & serve and "--hang-timeout" not in router
     assert {"--prefill", "--decode", "--policy"} <= router - serve - worker
     assert {"--max-restarts", "--colocated"} <= serve - worker - router

@@ -244,7 +244,7 @@ def test_ten_times_the_admitted_load_is_refused_with_retry_after_and_bounded():
     assert {o.result for o in outcomes} <= {"ok", "429"}  # every refusal a 429 with Retry-After
     assert refused and ok
     assert early > 0  # while every worker of a stage is full, the router refuses without the work
-    assert wasted == 0  # a request waits for a decode slot before its prefill, not after (router/decode_gate.py)
+    assert wasted == 0  # requests wait at the router, none is refused past its prefill (router/admission_gate.py)
     assert ok[-1] < 10 * base[len(base) // 2] + 5  # an admitted request waits its turn, not forever
     assert peak < idle_rss * 1.2 + 200  # refused requests hold no memory
     assert {o.result for o in recovered} == {"ok"}

@@ -1,5 +1,5 @@
 """The router's admission on plain worker records, no model: a stage is full while every
-worker of it refused and none freed a slot since; the decode gate hands the decode stage's
+worker of it refused and none freed a slot since; an admission gate hands a stage's
 slots out first come first served, within its queue and its wait."""
 
 import asyncio
@@ -8,7 +8,7 @@ import time
 import pytest
 
 from xlserve.openai.engine_client import EngineBusy
-from xlserve.router.decode_gate import DecodeGate
+from xlserve.router.admission_gate import AdmissionGate
 from xlserve.router.pool import WorkerPool
 
 
@@ -57,7 +57,7 @@ class Stage:
 
     def __init__(self, capacity, queue=0, timeout=0.0):
         self.capacity = capacity
-        self.gate = DecodeGate(lambda: self.capacity, queue, timeout)
+        self.gate = AdmissionGate(lambda: self.capacity, queue, timeout)
         self.order: list[int] = []
         self.release: dict[int, asyncio.Event] = {}
 

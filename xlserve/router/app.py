@@ -21,8 +21,8 @@ from xlserve.openai.engine_client import EngineBusy
 from xlserve.openai.errors import error_body
 from xlserve.openai.http_protocol import uvicorn_config
 from xlserve.openai.serving_common import WorkerState
+from xlserve.router.admission_gate import UNBOUNDED, AdmissionGate
 from xlserve.router.backend import parse_worker_address
-from xlserve.router.decode_gate import UNBOUNDED, DecodeGate
 from xlserve.router.dispatch import Dispatcher
 from xlserve.router.faults import NoWorker, WorkerFailed
 from xlserve.router.index import PrefixIndex
@@ -72,8 +72,8 @@ def build_router_app(opts: RouterOptions, config: ServerConfig):
     tokenizer = load_model_tokenizer(opts.model, opts.chat_template)
     if opts.tokenize_with:
         render_on_server(tokenizer, parse_worker_address(opts.tokenize_with).url, pool.backend_headers)
-    gates = (DecodeGate(pool.split_capacity, config.decode_queue, config.decode_queue_timeout),
-             DecodeGate(pool.decode_capacity, queue=UNBOUNDED))
+    gates = (AdmissionGate(pool.split_capacity, config.router_queue, config.router_queue_timeout),
+             AdmissionGate(pool.decode_capacity, queue=UNBOUNDED))
     metrics = RouterMetrics(pool, info["model"], opts.policy, gates)
     index = PrefixIndex(block_size=int(info["block_size"]))
     remote = RemoteEngine(pool, make_policy(opts.policy, opts.affinity, int(info["block_size"])), index,

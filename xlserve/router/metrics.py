@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from xlserve.router.decode_gate import DecodeGate
+from xlserve.router.admission_gate import AdmissionGate
 from xlserve.router.pool import WorkerPool
 from xlserve.worker.metrics import EngineCollector, WorkerMetrics
 
@@ -13,7 +13,7 @@ PREDICTION_ERROR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 16, 64, 256, 10
 
 
 class RouterMetrics(WorkerMetrics):
-    def __init__(self, pool: WorkerPool, model_name: str, policy: str, gates: tuple[DecodeGate, DecodeGate]):
+    def __init__(self, pool: WorkerPool, model_name: str, policy: str, gates: tuple[AdmissionGate, AdmissionGate]):
         super().__init__(None, model_name)
         r = self.registry
         self.decisions = Counter("xlserve_router_decisions", "Routing decisions", ["policy", "stage", "worker"],
@@ -31,11 +31,11 @@ class RouterMetrics(WorkerMetrics):
         self.transfer_failures = Counter("xlserve_kv_transfer_failures", "KV pulls that failed", registry=r)
         self.refused_early = Counter("xlserve_router_refused_before_parsing",
                                      "Requests answered 429 before parsing: every worker of a stage was full "
-                                     "(decode: its slots taken and the router's queue for them full)",
+                                     "(decode: the workers' slots taken and the router's queue for them full)",
                                      ["stage"], registry=r)
         self.prefills_wasted = Counter("xlserve_router_prefills_wasted", "Prompts computed and then thrown away: "
                                        "the decode worker refused the request as busy (429)", registry=r)
-        queued = Gauge("xlserve_router_decode_queue", "Disaggregated requests waiting at the router: before their "
+        queued = Gauge("xlserve_router_queued", "Disaggregated requests waiting at the router: before their "
                        "prefill for room in the stack, after it for room on a decode worker", ["where"], registry=r)
         queued.labels(where="before_prefill").set_function(lambda: gates[0].waiting)
         queued.labels(where="after_prefill").set_function(lambda: gates[1].waiting)

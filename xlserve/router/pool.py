@@ -37,7 +37,7 @@ class Worker:
     kv_epoch: str = ""
     described: bool = False  # /internal/info read since it last came up (xlserve workers)
     kv_server: tuple[str, int] | None = None  # its KV transfer server (prefill roles), from /internal/info
-    capacity: int | None = None  # requests it holds, running and waiting (decode roles), from /internal/info
+    capacity: int | None = None  # requests it holds, running and waiting, from /internal/info
     peers_sent: frozenset | None = None  # KV servers last registered with it (decode roles)
     engine_stats: dict = field(default_factory=dict)  # its engine's counters as of the last health check
     full_until: float = 0.0  # it answered 429: full until a request of ours there ends, or until then
@@ -176,7 +176,7 @@ class WorkerPool:
 
     def capacity(self, stage: str) -> int | None:
         """Requests the healthy xlserve workers of ``stage`` hold together; None while one of
-        them is not yet described, or none is up (router/decode_gate.py)."""
+        them is not yet described, or none is up (router/admission_gate.py)."""
         workers = self.candidates(stage)
         if not workers or any(w.capacity is None for w in workers):
             return None
@@ -245,7 +245,7 @@ class WorkerPool:
             log.debug("engine stats of %s: %s", worker.url, e)
 
     async def health_loop(self, interval: float, index=None, on_checked=lambda: None) -> None:
-        """``on_checked()`` after each round: the decode stage may have grown or shrunk."""
+        """``on_checked()`` after each round: a stage may have grown or shrunk."""
         while True:
             await asyncio.gather(*(self.check(w) for w in self.workers))
             await asyncio.gather(*(self.poll_stats(w) for w in self.workers))

@@ -25,8 +25,8 @@ from xlserve.engine.outputs import CompletionOutput, RequestOutput
 from xlserve.engine.request import FinishReason
 from xlserve.hashing import block_hashes
 from xlserve.openai.engine_client import EngineBusy, EngineClient, RequestFailed, RequestStream
+from xlserve.router.admission_gate import UNBOUNDED, AdmissionGate
 from xlserve.router.connections import streamed
-from xlserve.router.decode_gate import UNBOUNDED, DecodeGate
 from xlserve.router.faults import NoWorker, WorkerFailed, describe, error_of
 from xlserve.router.index import PrefixIndex
 from xlserve.router.kv_pin import PinnedKV
@@ -129,11 +129,11 @@ class RemoteStream(RequestStream):
 
 class RemoteEngine(EngineClient):
     def __init__(self, pool: WorkerPool, policy: RoutingPolicy, index: PrefixIndex, info: dict, metrics=None,
-                 max_inflight: int = 1024, gates: tuple[DecodeGate, DecodeGate] | None = None):
+                 max_inflight: int = 1024, gates: tuple[AdmissionGate, AdmissionGate] | None = None):
         self.pool, self.policy, self.index, self.metrics = pool, policy, index, metrics
-        # Room in the stack before a prefill, then room on a decode worker (router/decode_gate.py).
-        self.gate, self.decode_slots = gates or (DecodeGate(pool.split_capacity),
-                                                 DecodeGate(pool.decode_capacity, queue=UNBOUNDED))
+        # Room in the stack before a prefill, then room on a decode worker (router/admission_gate.py).
+        self.gate, self.decode_slots = gates or (AdmissionGate(pool.split_capacity),
+                                                 AdmissionGate(pool.decode_capacity, queue=UNBOUNDED))
         self.block_size, self.max_model_len = int(info["block_size"]), int(info["max_model_len"])
         self.extra_key = bytes.fromhex(info.get("kv_extra_key", ""))
         self.max_inflight, self.inflight = max_inflight, 0
@@ -238,7 +238,7 @@ class RemoteEngine(EngineClient):
                     w, prompt_ids, params, None, acc, request_id, route=route), prefill):
                 yield out
             return
-        async with self.gate.slot():  # room in the stack before the prefill's work (router/decode_gate.py)
+        async with self.gate.slot():  # room in the stack before the prefill's work (router/admission_gate.py)
             async for out in self._split(request_id, prompt_ids, params, route, acc, prefill, decode):
                 yield out
 

@@ -36,7 +36,7 @@ from xlserve.openai.engine_client import EngineBusy
 UNBOUNDED = 1 << 30  # a queue another gate bounds
 
 
-class DecodeGate:
+class AdmissionGate:
     def __init__(self, capacity: Callable[[], int | None], queue: int = 0, timeout: float = 0.0):
         self._capacity, self._queue, self.timeout = capacity, queue, timeout
         self.holding = 0
@@ -73,7 +73,7 @@ class DecodeGate:
             self.holding += 1
             return
         if self.waiting >= self.queue_limit():
-            raise EngineBusy(f"the decode workers are full and {self.waiting} requests wait for them")
+            raise EngineBusy(f"the workers are full and {self.waiting} requests wait for room")
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
@@ -82,7 +82,7 @@ class DecodeGate:
         except (TimeoutError, asyncio.CancelledError) as e:
             self._give_up(waiter)
             if isinstance(e, TimeoutError):
-                raise EngineBusy(f"waited {self.timeout:g} s for a decode slot") from None
+                raise EngineBusy(f"waited {self.timeout:g} s for room on the workers") from None
             raise
 
     def _give_up(self, waiter: asyncio.Future) -> None:
@@ -94,8 +94,8 @@ class DecodeGate:
             self._waiters.remove(waiter)
 
     def wake(self) -> None:
-        """Hands free slots to the longest waiters (after a request ends, or the decode
-        stage grew or became unknown)."""
+        """Hands free slots to the longest waiters (after a request ends, or the stage
+        grew or became unknown)."""
         while self._waiters and self._room():
             self.holding += 1
             self._waiters.popleft().set_result(None)
