@@ -77,7 +77,7 @@ def build_router_app(opts: RouterOptions, config: ServerConfig):
     metrics = RouterMetrics(pool, info["model"], opts.policy, gates)
     index = PrefixIndex(block_size=int(info["block_size"]))
     remote = RemoteEngine(pool, make_policy(opts.policy, opts.affinity, int(info["block_size"])), index,
-                          info, metrics, gates=gates)
+                          info, gates, metrics)
     gate = gates[0]
     state = WorkerState(RouterFront(tokenizer, info, remote), remote, metrics, info["model"])
 

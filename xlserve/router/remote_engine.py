@@ -25,7 +25,7 @@ from xlserve.engine.outputs import CompletionOutput, RequestOutput
 from xlserve.engine.request import FinishReason
 from xlserve.hashing import block_hashes
 from xlserve.openai.engine_client import EngineBusy, EngineClient, RequestFailed, RequestStream
-from xlserve.router.admission_gate import UNBOUNDED, AdmissionGate
+from xlserve.router.admission_gate import AdmissionGate
 from xlserve.router.connections import streamed
 from xlserve.router.faults import NoWorker, WorkerFailed, describe, error_of
 from xlserve.router.index import PrefixIndex
@@ -128,12 +128,11 @@ class RemoteStream(RequestStream):
 
 
 class RemoteEngine(EngineClient):
-    def __init__(self, pool: WorkerPool, policy: RoutingPolicy, index: PrefixIndex, info: dict, metrics=None,
-                 max_inflight: int = 1024, gates: tuple[AdmissionGate, AdmissionGate] | None = None):
+    def __init__(self, pool: WorkerPool, policy: RoutingPolicy, index: PrefixIndex, info: dict,
+                 gates: tuple[AdmissionGate, AdmissionGate], metrics=None, max_inflight: int = 1024):
         self.pool, self.policy, self.index, self.metrics = pool, policy, index, metrics
         # Room in the stack before a prefill, then room on a decode worker (router/admission_gate.py).
-        self.gate, self.decode_slots = gates or (AdmissionGate(pool.split_capacity),
-                                                 AdmissionGate(pool.decode_capacity, queue=UNBOUNDED))
+        self.gate, self.decode_slots = gates
         self.block_size, self.max_model_len = int(info["block_size"]), int(info["max_model_len"])
         self.extra_key = bytes.fromhex(info.get("kv_extra_key", ""))
         self.max_inflight, self.inflight = max_inflight, 0
