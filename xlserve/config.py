@@ -389,6 +389,9 @@ class ServerConfig:
                               "a loopback address ('*': any). Guards against DNS rebinding.")
     metrics_need_key: bool = _opt(False, "Put /metrics and /router/workers behind the API key too.")
     max_body_bytes: int = _opt(8 * 1024 * 1024, "Largest request body accepted; larger ones get 413.")
+    heap_trim_interval: float = _opt(60.0, "Seconds between handing the free pages glibc's malloc keeps back to "
+                                     "the system (malloc_trim; 0: never). Without it a long-running server's "
+                                     "RSS creeps up with freed memory it no longer uses (xlserve/native_heap.py).")
     request_head_timeout: float = _opt(30.0, "Seconds a connection may take to send a whole request head, after "
                                        "it opened or after its last response, before it is closed: a client "
                                        "cannot hold sockets open by sending nothing.")

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from xlserve import native_heap
 from xlserve.config import ServerConfig
 from xlserve.openai.engine_client import EngineBusy, EngineDead, RequestFailed
 from xlserve.openai.errors import ApiError, error_body
@@ -101,6 +102,10 @@ def build_app(state: WorkerState, config: ServerConfig, internal: bool = True,
     app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None,  # served below, behind the key
                   lifespan=_run_startup_hooks)
     app.state.startup_hooks = [freeze_startup_heap]  # awaited in order before the first request
+    if config.heap_trim_interval > 0:
+        async def _trim_heap():
+            app.state.heap_trim_task = asyncio.create_task(native_heap.trim_every(config.heap_trim_interval))
+        app.state.startup_hooks.append(_trim_heap)
     logging.getLogger("xlserve.requests").disabled = not config.log_requests
     hosts = allowed_hosts(config.host, config.allowed_hosts)
     if hosts is not None:

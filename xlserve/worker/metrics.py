@@ -18,6 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, GCCollector, Hi
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from xlserve import native_heap
+
 prometheus_client.disable_created_metrics()  # one series per counter, not two
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60, 120)
@@ -177,6 +179,12 @@ class WorkerMetrics:
         GCCollector(registry=r)  # python_gc_*: collections and objects freed, by generation
         Gauge("xlserve_gc_frozen_objects", "Objects the startup froze out of garbage collection (openai/app.py)",
               registry=r).set_function(gc.get_freeze_count)
+        if native_heap.usage() is not None:  # glibc only
+            Gauge("xlserve_native_heap_in_use_bytes", "Bytes malloc handed out and not yet freed",
+                  registry=r).set_function(lambda: native_heap.usage().in_use)
+            Gauge("xlserve_native_heap_free_bytes", "Bytes free inside malloc's arenas, kept for reuse until "
+                  "--heap-trim-interval hands their pages back", registry=r).set_function(
+                lambda: native_heap.usage().free)
         if engine_stats is not None:
             r.register(EngineCollector(lambda: {"": engine_stats()}))
 
