@@ -3,17 +3,13 @@ the system, and the servers' /metrics show its bytes in use and free."""
 
 import ctypes
 
+import psutil
 import pytest
 
 from xlserve import native_heap
 from xlserve.worker.metrics import WorkerMetrics
 
 glibc = pytest.mark.skipif(native_heap.usage() is None, reason="the C library is not glibc 2.33+")
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
 
 
 @glibc
@@ -30,9 +26,10 @@ def test_trim_hands_back_free_pages_kept_inside_the_heap():
         libc.free(p)
     freed = native_heap.usage()
     assert freed.free - before.free > 30 * 2**20  # kept by malloc, free for reuse
-    rss = _rss_bytes()
+    me = psutil.Process()
+    rss = me.memory_info().rss
     assert native_heap.trim()
-    assert rss - _rss_bytes() > 20 * 2**20  # the pages went back to the system
+    assert rss - me.memory_info().rss > 20 * 2**20  # the pages went back to the system
     libc.free(keeper)
 
 

@@ -152,6 +152,20 @@ class EngineCollector(Collector):
         yield from (proposed, accepted, lengths)
 
 
+class NativeHeapCollector(Collector):
+    """glibc malloc's bytes in use and free, from one walk of its arenas per scrape; nothing
+    off glibc (xlserve/native_heap.py)."""
+
+    def collect(self):
+        heap = native_heap.usage()
+        if heap is None:
+            return
+        yield GaugeMetricFamily("xlserve_native_heap_in_use_bytes", "Bytes malloc handed out and not yet freed",
+                                value=heap.in_use)
+        yield GaugeMetricFamily("xlserve_native_heap_free_bytes", "Bytes free inside malloc's arenas, kept for "
+                                "reuse until --heap-trim-interval hands their pages back", value=heap.free)
+
+
 class WorkerMetrics:
     def __init__(self, engine_stats: Callable[[], dict] | None, model_name: str):
         """``engine_stats``: the engine's counters; None where there is no local engine
@@ -179,12 +193,7 @@ class WorkerMetrics:
         GCCollector(registry=r)  # python_gc_*: collections and objects freed, by generation
         Gauge("xlserve_gc_frozen_objects", "Objects the startup froze out of garbage collection (openai/app.py)",
               registry=r).set_function(gc.get_freeze_count)
-        if native_heap.usage() is not None:  # glibc only
-            Gauge("xlserve_native_heap_in_use_bytes", "Bytes malloc handed out and not yet freed",
-                  registry=r).set_function(lambda: native_heap.usage().in_use)
-            Gauge("xlserve_native_heap_free_bytes", "Bytes free inside malloc's arenas, kept for reuse until "
-                  "--heap-trim-interval hands their pages back", registry=r).set_function(
-                lambda: native_heap.usage().free)
+        r.register(NativeHeapCollector())
         if engine_stats is not None:
             r.register(EngineCollector(lambda: {"": engine_stats()}))
 
