@@ -41,7 +41,7 @@ _LIBC = _glibc()
 @dataclass(frozen=True)
 class HeapUsage:
     in_use: int  # bytes malloc handed out and not yet freed (arenas and mmapped chunks)
-    free: int  # bytes free inside its arenas, kept for reuse
+    free: int  # bytes free inside its arenas, resident or not: a trim returns their pages, not the count
 
 
 def usage() -> HeapUsage | None:

@@ -1,6 +1,7 @@
 """Samples the processes of a running ``xlserve serve`` over time: per process its RSS,
-threads and open file descriptors; per worker its KV blocks in use, pins, running and
-waiting requests; for the router its in-flight tokens. The soak suite judges the series
+threads and open file descriptors; per server (router and workers) the bytes glibc's malloc
+holds in use and keeps free; per worker its KV blocks in use, pins, running and waiting
+requests; for the router its in-flight tokens. The soak suite judges the series
 (``growth``, ``fifth_ratio``) and can write them out as JSON and a plot."""
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import psutil
 
 WORKER_GAUGES = {"kv_blocks_used": "xlserve_kv_blocks_used", "kv_pins": "xlserve_kv_pins",
                  "running": "xlserve_num_requests_running", "waiting": "xlserve_num_requests_waiting"}
+# A rising RSS over a flat "in use" is memory the allocator keeps, not a leak (docs/reliability.md).
+HEAP_GAUGES = {"heap_in_use_mib": "xlserve_native_heap_in_use_bytes", "heap_free_mib": "xlserve_native_heap_free_bytes"}
 PROCESS_FIELDS = ("rss_mib", "threads", "open_files")
 
 
@@ -56,6 +59,8 @@ class ProcessSampler:
             elif role == "router":
                 page = httpx.get(f"{self.router_url}/metrics", timeout=10).text
                 row["inflight_tokens"] = metric_sum(page, "xlserve_router_inflight_tokens")
+            if role != "serve":  # the supervisor serves no metrics
+                row.update({key: metric_sum(page, name) / 2**20 for key, name in HEAP_GAUGES.items()})
             rows.append(row)
         return rows
 
@@ -71,7 +76,7 @@ class ProcessSampler:
         self._thread.join(self.interval + 30)
 
     def series(self, process: str, field: str) -> list[tuple[float, float]]:
-        return [(r["t"], r[field]) for r in self.rows if r["process"] == process]
+        return [(r["t"], r[field]) for r in self.rows if r["process"] == process and field in r]
 
 
 def growth(points: list[tuple[float, float]]) -> float:
@@ -102,11 +107,12 @@ def write_report(sampler: ProcessSampler, summary: dict, path_stem: str) -> None
         return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    for ax, field, label in zip(axes, PROCESS_FIELDS, ("RSS (MiB)", "threads", "open files")):
-        for process in sampler.pids:
-            points = sampler.series(process, field)
-            ax.plot([t / 60 for t, _ in points], [v for _, v in points], label=process)
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
+    labels = ("RSS (MiB)", "threads", "open files", "malloc in use (MiB)")
+    for ax, field, label in zip(axes, (*PROCESS_FIELDS, "heap_in_use_mib"), labels):
+        for color, process in enumerate(sampler.pids):
+            if points := sampler.series(process, field):
+                ax.plot([t / 60 for t, _ in points], [v for _, v in points], label=process, color=f"C{color}")
         ax.set_xlabel("minutes")
         ax.set_title(label)
     axes[0].legend(fontsize=8)

@@ -1,9 +1,10 @@
 """The soak: agentic clients through ``xlserve serve`` (router, prefill, decode) for a while,
-with every process sampled. It passes when nothing grows: RSS between the first and the
-last fifth of the run under 5%, threads and open files on a line that stays flat, and
-no KV pull refused on the decode worker (a pin released before its pull); after the load
-every worker back to no KV block in use, no pin, nothing running or waiting,
-the router with nothing in flight, each process back to its idle threads and files.
+with every process sampled. It passes when nothing grows: RSS and the bytes malloc holds in
+use (on glibc) between the first and the last fifth of the run under 5%, threads and open
+files on a line that stays flat, and no KV pull refused on the decode worker (a pin
+released before its pull); after the load every worker back to no KV block in use, no pin,
+nothing running or waiting, the router with nothing in flight, each process back to its
+idle threads and files.
 
 ``XLSERVE_SOAK_MINUTES`` (1 in CI; ``make soak MINUTES=30``), ``XLSERVE_SOAK_CLIENTS`` (4)
 and ``XLSERVE_SOAK_REPORT`` (a path stem: the samples as JSON and a plot) set the run.
@@ -38,6 +39,7 @@ KV_TOKENS = 4096
 # (docs/reliability.md: the router's slope with and without).
 BPE_CACHE_WORDS = 10_000
 THREAD_SLACK, FILE_SLACK = 3, 6  # pools that idle out and sockets in keep-alive, measured at 2 and 4
+GROWTH_FIELDS = ("rss_mib", "threads", "open_files", "heap_in_use_mib", "heap_free_mib")
 HELD = ("kv_blocks_used", "kv_pins", "running", "waiting", "inflight_tokens")
 
 
@@ -103,7 +105,9 @@ def test_soak_through_the_router_leaks_nothing():
                "longest_s": round(max(o.end - o.start for o in outcomes), 2), "kv_pulls_recomputed": recomputed,
                "rss_last_fifth_over_first": {p: round(fifth_ratio(sampler.series(p, "rss_mib")), 4)
                                              for p in sampler.pids},
-               "growth": {p: {f: round(growth(sampler.series(p, f)), 2) for f in ("rss_mib", "threads", "open_files")}
+               "heap_in_use_last_fifth_over_first": {p: round(fifth_ratio(points), 4) for p in sampler.pids
+                                                     if (points := sampler.series(p, "heap_in_use_mib"))},
+               "growth": {p: {f: round(growth(points), 2) for f in GROWTH_FIELDS if (points := sampler.series(p, f))}
                           for p in sampler.pids},
                "idle_before": idle_before, "idle_after": idle_after}
     print(summary)
@@ -118,5 +122,6 @@ def test_soak_through_the_router_leaks_nothing():
         assert after["threads"] <= before["threads"] + THREAD_SLACK, (process, before, after)
         assert after["open_files"] <= before["open_files"] + FILE_SLACK, (process, before, after)
         assert summary["rss_last_fifth_over_first"][process] < 1.05, summary
+        assert summary["heap_in_use_last_fifth_over_first"].get(process, 1) < 1.05, summary
         assert summary["growth"][process]["threads"] < THREAD_SLACK + 1, summary
         assert summary["growth"][process]["open_files"] < FILE_SLACK + 2, summary

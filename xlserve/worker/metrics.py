@@ -163,7 +163,8 @@ class NativeHeapCollector(Collector):
         yield GaugeMetricFamily("xlserve_native_heap_in_use_bytes", "Bytes malloc handed out and not yet freed",
                                 value=heap.in_use)
         yield GaugeMetricFamily("xlserve_native_heap_free_bytes", "Bytes free inside malloc's arenas, kept for "
-                                "reuse until --heap-trim-interval hands their pages back", value=heap.free)
+                                "reuse; a trim (--heap-trim-interval) hands their whole pages back to the system, "
+                                "and malloc still counts them here", value=heap.free)
 
 
 class WorkerMetrics:
