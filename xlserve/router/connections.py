@@ -18,6 +18,8 @@ from typing import AsyncIterator, Callable
 
 import httpx
 
+from xlserve.router import background
+
 
 async def open_response(http: httpx.AsyncClient, request: httpx.Request,
                         on_abandoned: Callable[[asyncio.Future], None] | None = None) -> httpx.Response:
@@ -27,7 +29,7 @@ async def open_response(http: httpx.AsyncClient, request: httpx.Request,
     try:
         return await asyncio.shield(sending)
     except asyncio.CancelledError:
-        sending.add_done_callback(_close_unwanted)
+        background.keep(sending).add_done_callback(_close_unwanted)  # nobody awaits it now
         if on_abandoned is not None:
             on_abandoned(sending)
         raise
@@ -35,7 +37,7 @@ async def open_response(http: httpx.AsyncClient, request: httpx.Request,
 
 def _close_unwanted(sending: asyncio.Future) -> None:
     if not sending.cancelled() and sending.exception() is None:
-        asyncio.ensure_future(sending.result().aclose())
+        background.spawn(sending.result().aclose())
 
 
 @contextlib.asynccontextmanager

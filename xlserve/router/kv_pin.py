@@ -16,6 +16,7 @@ import logging
 
 import httpx
 
+from xlserve.router import background
 from xlserve.router.faults import describe
 from xlserve.worker.messages import KVHandle
 
@@ -37,7 +38,7 @@ class PinnedKV:
         """The client left while ``sending``, a decode call that imports this KV, was in flight:
         the pin goes once that call settled (its worker pulled, or failed)."""
         self._pulling = sending
-        sending.add_done_callback(lambda _: asyncio.ensure_future(self._release_now()))
+        sending.add_done_callback(lambda _: background.spawn(self._release_now()))
 
     async def _release_now(self) -> None:
         if self._released:

@@ -25,6 +25,7 @@ from xlserve.engine.outputs import CompletionOutput, RequestOutput
 from xlserve.engine.request import FinishReason
 from xlserve.hashing import block_hashes
 from xlserve.openai.engine_client import EngineBusy, EngineClient, RequestFailed, RequestStream
+from xlserve.router import background
 from xlserve.router.admission_gate import AdmissionGate
 from xlserve.router.connections import streamed
 from xlserve.router.faults import NoWorker, WorkerFailed, describe, error_of
@@ -118,7 +119,7 @@ class RemoteStream(RequestStream):
         if not self.closed:
             self.closed = True
             try:
-                asyncio.get_running_loop().create_task(self.gen.aclose())
+                background.spawn(self.gen.aclose())
             except RuntimeError:  # no loop (interpreter exit): nothing left to release
                 pass
 
@@ -283,12 +284,12 @@ class RemoteEngine(EngineClient):
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
-            call.add_done_callback(lambda done: self._release_orphan(worker, done))
+            background.keep(call).add_done_callback(lambda done: self._release_orphan(worker, done))
             raise
 
     def _release_orphan(self, worker: Worker, call: asyncio.Future) -> None:
         if not call.cancelled() and call.exception() is None:
-            asyncio.ensure_future(PinnedKV(self.pool.http, worker.url, call.result().kv).release())
+            background.spawn(PinnedKV(self.pool.http, worker.url, call.result().kv).release())
 
     async def _prefill_call(self, worker: Worker, ids, params, request_id) -> GenerateResult:
         body = {"request_id": f"{request_id}-p", "prompt_token_ids": ids, "sampling": params.to_wire(),
@@ -341,7 +342,7 @@ class RemoteEngine(EngineClient):
                     except ValidationError as e:
                         raise WorkerFailed(f"malformed stream event: {e.errors()[0]['msg']}") from e
                     if first_event and pin is not None:  # it pulled
-                        asyncio.ensure_future(pin.release())
+                        background.spawn(pin.release())
                     first_event = False
                     if event.finish_reason and route is not None:  # this worker computed the prompt
                         acc.cached = event.cached_tokens or 0
