@@ -43,6 +43,7 @@ class ProcessSampler:
         self.serve_pid, self.router_url, self.interval = serve_pid, router_url, interval
         self.pids = {"serve": serve_pid, **serve_children(serve_pid)}
         self.workers = {w["role"]: w["url"] for w in httpx.get(f"{router_url}/router/workers").json()}
+        self.servers = {**self.workers, "router": router_url}  # role -> the URL of its /metrics
         self.rows: list[dict] = []
         self._stop, self._t0 = threading.Event(), time.monotonic()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -53,14 +54,13 @@ class ProcessSampler:
             proc = psutil.Process(pid)
             row = {"t": round(now, 2), "process": role, "pid": pid, "rss_mib": proc.memory_info().rss / 2**20,
                    "threads": proc.num_threads(), "open_files": proc.num_fds()}
-            if role in self.workers:
-                page = httpx.get(f"{self.workers[role]}/metrics", timeout=10).text
-                row.update({key: metric_sum(page, name) for key, name in WORKER_GAUGES.items()})
-            elif role == "router":
-                page = httpx.get(f"{self.router_url}/metrics", timeout=10).text
-                row["inflight_tokens"] = metric_sum(page, "xlserve_router_inflight_tokens")
-            if role != "serve":  # the supervisor serves no metrics
+            if role in self.servers:  # the supervisor serves no metrics
+                page = httpx.get(f"{self.servers[role]}/metrics", timeout=10).text
                 row.update({key: metric_sum(page, name) / 2**20 for key, name in HEAP_GAUGES.items()})
+                if role == "router":
+                    row["inflight_tokens"] = metric_sum(page, "xlserve_router_inflight_tokens")
+                else:
+                    row.update({key: metric_sum(page, name) for key, name in WORKER_GAUGES.items()})
             rows.append(row)
         return rows
 
