@@ -74,7 +74,7 @@ def test_fp8_partial_blocks_follow_the_definition_and_bad_scales_are_refused():
     with pytest.raises(ValueError, match="expected"):
         fmt.dequantize("x.weight", q, {"x.weight_scale_inv": scale[:1]}.__getitem__)
     with pytest.raises(ValueError, match="not supported"):
-        checkpoint_quantization({"quantization_config": {"quant_method": "awq"}})
+        checkpoint_quantization({"quantization_config": {"quant_method": "hqq"}})
 
 
 def test_deepseek_v3_fp8_checkpoint(tiny_model_dirs, tmp_path):

@@ -134,3 +134,38 @@ def blocks_from_symmetric(values: torch.Tensor, scales: torch.Tensor, bits: int)
         qs = codes.to(torch.int8).view(torch.uint8)
     blocks = torch.cat((half.unsqueeze(-1).view(torch.uint8), qs), dim=-1)  # float16 little-endian, then codes
     return blocks.reshape(n, -1).contiguous()
+
+
+def _exact_half(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` as float16 when every value survives the conversion, else None."""
+    half = x.to(torch.float16)
+    return half if torch.equal(half.float(), x.float()) else None
+
+
+def blocks_from_zero_point(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+                           ) -> tuple[BlockType, torch.Tensor] | None:
+    """Unsigned integer codes [N, K] with one scale and one integer zero point per block of 32
+    inputs ([N, K / 32] each), the weight ``scale * (code - zero)`` (GPTQ, AWQ), as the
+    smallest block format that holds every value exactly: Q4_0 where ``code - zero`` fits 4
+    signed bits (symmetric checkpoints: the zero point is 8), Q4_1 (``d * code + m``) where the
+    codes fit 4 bits and ``-scale * zero`` is a float16 value, Q8_0 where ``code - zero`` fits
+    8 signed bits; None where none does."""
+    n, k = codes.shape
+    if k % 32 or tuple(scales.shape) != (n, k // 32) or tuple(zeros.shape) != (n, k // 32):
+        return None
+    values = codes.to(torch.int32) - zeros.to(torch.int32).repeat_interleave(32, dim=1)
+    if values.min() >= -8 and values.max() <= 7:
+        blocks = blocks_from_symmetric(values, scales, 4)
+        if blocks is not None:
+            return BlockType.Q4_0, blocks
+    d, m = _exact_half(scales), _exact_half(-scales.double() * zeros.double())  # s * z: exact in float64
+    if d is not None and m is not None and codes.min() >= 0 and codes.max() <= 15:
+        c = codes.reshape(n, k // 32, 32).to(torch.uint8)
+        qs = c[..., :16] | (c[..., 16:] << 4)  # as Q4_0: byte j holds value j low, value j + 16 high
+        halves = torch.stack((d, m), dim=-1).view(torch.uint8)  # [N, K / 32, 4]: d then m, little-endian
+        return BlockType.Q4_1, torch.cat((halves, qs), dim=-1).reshape(n, -1).contiguous()
+    if values.min() >= -128 and values.max() <= 127:
+        blocks = blocks_from_symmetric(values, scales, 8)
+        if blocks is not None:
+            return BlockType.Q8_0, blocks
+    return None

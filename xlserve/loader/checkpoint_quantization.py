@@ -13,15 +13,17 @@ blocks, a float16 scale per 32 values, so Kimi K2.5's experts stay at 4.5 bits a
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from typing import Callable
 
 import torch
 
-from xlserve.kernels.gguf_blocks import SYMMETRIC_BLOCKS, blocks_from_symmetric
+from xlserve.kernels.gguf_blocks import SYMMETRIC_BLOCKS, blocks_from_symmetric, blocks_from_zero_point
 from xlserve.layers.quantized import QuantizedWeight
 
 Fetch = Callable[[str], torch.Tensor]  # reads any tensor of the checkpoint by name
+log = logging.getLogger(__name__)
 
 
 class CheckpointQuantization(ABC):
@@ -162,8 +164,139 @@ class PackedInt4(CheckpointQuantization):
         return base, values, scale
 
 
+class ZeroPointInt(CheckpointQuantization):
+    """GPTQ and AWQ linear weights: ``qweight`` int32 words of unsigned ``bits``-bit codes,
+    ``scales`` [groups, outputs] and ``qzeros`` (codes again, packed along the outputs), the
+    weight ``scale * (code - zero)`` of each input's group. Subclasses read the word layouts.
+    Kept as stored where ``gguf_blocks.blocks_from_zero_point`` holds the values exactly and
+    every block of 32 inputs lies in one group; otherwise dequantized, with a log line."""
+
+    bits_supported = (2, 4, 8)
+
+    def __init__(self, config: dict):
+        self.bits = int(config.get("bits", 4))
+        if self.bits not in self.bits_supported:
+            raise ValueError(f"{config.get('quant_method')} weights of {self.bits} bits are not supported; "
+                             f"supported: {', '.join(map(str, self.bits_supported))}")
+        self.group_size = int(config.get("group_size", 128))  # -1: one group per output
+        self.per_word = 32 // self.bits
+        self._said: set[str] = set()
+
+    def companion(self, name: str) -> bool:
+        return name.endswith((".qzeros", ".scales", ".g_idx"))
+
+    def dequantize(self, name, tensor, fetch):
+        unpacked = self._unpack(name, tensor, fetch)
+        if unpacked is None:
+            return None
+        base, codes, scales, zeros, group = unpacked
+        return base, scales.float()[:, group] * (codes - zeros[:, group]).float()
+
+    def keep(self, name, tensor, fetch):
+        unpacked = self._unpack(name, tensor, fetch)
+        if unpacked is None:
+            return None
+        base, codes, scales, zeros, group = unpacked
+        k = codes.shape[1]
+        per_block = group[::32] if k % 32 == 0 else None
+        if per_block is None or not torch.equal(per_block.repeat_interleave(32), group):
+            return self._dequantized_because(name, "groups that do not cover whole blocks of 32 inputs "
+                                                   "(act-order or a group size off 32)")
+        kept = blocks_from_zero_point(codes, scales[:, per_block], zeros[:, per_block])
+        if kept is None:
+            return self._dequantized_because(name, "scales that are not float16 values")
+        qtype, blocks = kept
+        return base, QuantizedWeight.from_blocks(qtype, blocks, tuple(codes.shape))
+
+    def _dequantized_because(self, name: str, why: str) -> None:
+        if why not in self._said:
+            self._said.add(why)
+            log.info("%s dequantized, as is every later weight like it: %s", name, why)
+        return None
+
+    def _codes(self, words: torch.Tensor, dim: int) -> torch.Tensor:
+        """The codes of int32 ``words``, each word's lowest bits first, unpacked along ``dim``."""
+        shifts = torch.arange(self.per_word, dtype=torch.int32) * self.bits
+        codes = (words.to(torch.int32).unsqueeze(dim + 1) >> shifts.reshape([-1] + [1] * (words.dim() - 1 - dim)))
+        return (codes & ((1 << self.bits) - 1)).flatten(dim, dim + 1)
+
+    def _unpack(self, name: str, tensor: torch.Tensor, fetch: Fetch
+                ) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(plain name, codes [N, K], scales [N, groups], zero points [N, groups], each input's
+        group [K]) of a packed weight; None for any other tensor."""
+        if not name.endswith(".qweight"):
+            return None
+        base = name.removesuffix(".qweight")
+        codes, zeros = self.layout(tensor, fetch(base + ".qzeros"))
+        scales = fetch(base + ".scales").T
+        n, k = codes.shape
+        group = self.groups(base, k, fetch)
+        if zeros.shape != scales.shape or scales.shape[0] != n or group.shape != (k,) or \
+                int(group.max()) >= scales.shape[1] or int(group.min()) < 0:
+            raise ValueError(f"{name}: codes {tuple(codes.shape)}, zero points {tuple(zeros.shape)} and scales "
+                             f"{tuple(scales.shape)} do not make one weight in groups of {self.group_size}")
+        return base + ".weight", codes, scales, zeros, group
+
+    def groups(self, base: str, k: int, fetch: Fetch) -> torch.Tensor:
+        size = k if self.group_size == -1 else self.group_size
+        return torch.arange(k) // size
+
+    @abstractmethod
+    def layout(self, qweight: torch.Tensor, qzeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes [outputs, inputs], zero points [outputs, groups]) from the stored words."""
+
+
+class Gptq(ZeroPointInt):
+    """GPTQ (AutoGPTQ, GPTQModel): ``qweight`` [inputs / per_word, outputs], codes packed along
+    the inputs; ``qzeros`` [groups, outputs / per_word]; ``g_idx`` each input's group (act-order
+    permutes it). ``checkpoint_format`` "gptq" (v1, the common one) stores each zero point
+    minus one, "gptq_v2" as it is."""
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        fmt = config.get("checkpoint_format", "gptq")
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported; supported: gptq, gptq_v2")
+        self.zero_offset = 1 if fmt == "gptq" else 0
+
+    def layout(self, qweight, qzeros):
+        return self._codes(qweight, 0).T, self._codes(qzeros, 1).T + self.zero_offset
+
+    def groups(self, base, k, fetch):
+        try:
+            return fetch(base + ".g_idx").long()
+        except (KeyError, ValueError):  # checkpoints without act-order may leave g_idx out
+            return super().groups(base, k, fetch)
+
+
+# AutoAWQ's GEMM layout interleaves the eight codes of a word: the code of output j (of each
+# eight) sits at nibble AWQ_NIBBLE[j]
+AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)
+
+
+class Awq(ZeroPointInt):
+    """AWQ in AutoAWQ's GEMM layout: ``qweight`` [inputs, outputs / 8] and ``qzeros`` [groups,
+    outputs / 8], codes packed along the outputs, nibbles interleaved (``AWQ_NIBBLE``)."""
+
+    bits_supported = (4,)
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        version = str(config.get("version", "gemm")).lower()
+        if version != "gemm" or not config.get("zero_point", True):
+            raise ValueError(f"AWQ version {version!r} (zero_point={config.get('zero_point', True)}) is not "
+                             "supported; supported: the GEMM layout with zero points")
+
+    def _outputs(self, words: torch.Tensor) -> torch.Tensor:
+        codes = self._codes(words, 1).reshape(words.shape[0], -1, self.per_word)
+        return codes[..., list(AWQ_NIBBLE)].flatten(1)
+
+    def layout(self, qweight, qzeros):
+        return self._outputs(qweight).T, self._outputs(qzeros).T
+
+
 FORMATS: dict[str, type[CheckpointQuantization]] = {
-    "fp8": Fp8Blocks, "mxfp4": Mxfp4, "compressed-tensors": PackedInt4}
+    "fp8": Fp8Blocks, "mxfp4": Mxfp4, "compressed-tensors": PackedInt4, "gptq": Gptq, "awq": Awq}
 
 
 def checkpoint_quantization(config: dict) -> CheckpointQuantization | None:

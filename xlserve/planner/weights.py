@@ -66,10 +66,27 @@ def formats_from_config(cfg: dict, dtype: str) -> dict[Component, WeightFormat]:
         formats[Component.EXPERTS] = FORMATS["mxfp4"]
     elif method == "compressed-tensors":
         formats.update(_compressed_tensors(q, projections))
+    elif method in ("gptq", "awq"):
+        formats.update({c: _zero_point_ints(q, method, plain) for c in projections})
     elif method:
         raise ValueError(f"quantization {method!r} is not understood by the planner; "
-                         "known: fp8, mxfp4, compressed-tensors")
+                         "known: fp8, mxfp4, compressed-tensors, gptq, awq")
     return formats
+
+
+def _zero_point_ints(q: dict, method: str, plain: WeightFormat) -> WeightFormat:
+    """What the loader holds of a GPTQ / AWQ projection (``checkpoint_quantization.ZeroPointInt``):
+    codes minus zero points that fit 4 signed bits (symmetric 4-bit, any 2-bit) as Q4_0, other
+    4- and 8-bit ones as Q8_0 (a float16 scale times an asymmetric zero point is rarely a
+    float16, which Q4_1's minimum would need), and groups that are not whole blocks of 32
+    inputs (act-order, or a size off 32) dequantized to ``plain``."""
+    bits, group = int(q.get("bits", 4)), int(q.get("group_size", 128))
+    symmetric = method == "gptq" and q.get("sym", True)
+    if group != -1 and (group % 32 or (method == "gptq" and q.get("desc_act"))):
+        return plain
+    if bits == 2 or (bits == 4 and symmetric):
+        return WeightFormat("q4_0", 4, 32, 16)
+    return WeightFormat("q8_0", 8, 32, 16)
 
 
 def _compressed_tensors(q: dict, projections) -> dict[Component, WeightFormat]:
