@@ -28,6 +28,9 @@ def add_bench_parser(sub) -> None:
     e.add_argument("--budget", type=int, default=2048, help="xlserve token budget per step")
     e.add_argument("--repeats", type=int, default=3,
                    help="latency figures (decode b1, prefill, TTFT) are the median of this many runs")
+    e.add_argument("--rounds", type=int, default=1,
+                   help="run every system this many times, each in a fresh process, rounds interleaved; "
+                        "the table shows each figure's median over the rounds and its min-max")
     e.add_argument("--prepack-weights", action="store_true",
                    help="run xlserve with a oneDNN-prepacked copy of its weights (faster batches, 2x weights)")
     e.add_argument("--no-cuda-graphs", action="store_true",
@@ -126,7 +129,7 @@ def cmd_bench_engine(args) -> int:
     opts = BenchOptions(model=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
                         systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()),
                         out=args.out, png=args.png, budget=args.budget, repeats=args.repeats,
-                        prepack=args.prepack_weights, cuda_graphs=not args.no_cuda_graphs)
+                        rounds=args.rounds, prepack=args.prepack_weights, cuda_graphs=not args.no_cuda_graphs)
     results = run_bench(opts)
     results["goals"] = engine_goals(results) if "xlserve" in results["systems"] else []
     with open(opts.out, "w") as f:
@@ -139,10 +142,11 @@ def cmd_bench_engine(args) -> int:
     for system, r in results["systems"].items():
         if "error" in r:
             print(f"{system} failed: {r['error']}")
-    if "flash_attn" in results["systems"].get("llama.cpp", {}):
-        print(f"llama.cpp flash attention by figure: {results['systems']['llama.cpp']['flash_attn']}")
-    if "llama-bench" in results:
-        print(f"llama-bench on the same file: {results['llama-bench']}")
+    for i, run in enumerate(results["rounds"].get("llama.cpp", []), 1):  # what each round's llama.cpp chose
+        if "flash_attn" in run:
+            print(f"round {i}: llama.cpp flash attention by figure: {run['flash_attn']}")
+        if "llama_bench" in run:
+            print(f"round {i}: llama-bench on the same file: {run['llama_bench']}")
     if results["goals"]:
         print()
         print(goals_table(results["goals"]))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,12 +49,14 @@ class BenchOptions:
     kv_tokens: int = 16384
     budget: int = 2048
     repeats: int = 3  # latency figures are the median of this many runs, each on fresh prompts
+    rounds: int = 1  # every system once per round, in a fresh process, rounds interleaved
     prepack: bool = False  # xlserve with oneDNN-prepacked weights (ModelConfig.prepack_weights)
     cuda_graphs: bool = True  # xlserve replays decode steps from CUDA graphs (ModelConfig.cuda_graphs)
 
     def __post_init__(self):
-        if self.repeats < 1:
-            raise ValueError(f"repeats must be at least 1; got {self.repeats}")
+        for name in ("repeats", "rounds"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1; got {getattr(self, name)}")
 
 
 def build_workload(tokenizer, repeats: int = 1, seed: int = 0) -> dict:
@@ -138,27 +141,60 @@ def run_bench(opts: BenchOptions) -> dict:
     tokenizer = load_tokenizer(opts.model)
     workload = build_workload(tokenizer, opts.repeats)
     results = {"options": vars(opts) | {"systems": list(opts.systems)}, "weights": _shown(weights),
-               "weight_file_read_s": file_read_seconds(files), "skipped": {}, "systems": {}}
-    bar = tqdm(opts.systems, desc="bench engine", unit="system")
-    for system in bar:
-        bar.set_postfix_str(system)
-        if not available(system):
-            results["skipped"][system] = "not installed (pip install -e .[peers])"
-            continue
-        if system == "llama.cpp" and source.kind != "gguf":
-            results["skipped"][system] = "needs a GGUF model"
-            continue
-        spec = {"system": system, "model": weights, "dtype": opts.dtype, "device": opts.device,
-                "threads": opts.threads, "kv_tokens": opts.kv_tokens, "budget": opts.budget,
-                "engine_options": {"prepack_weights": opts.prepack, "cuda_graphs": opts.cuda_graphs},
-                "workload": workload,
-                "weights_file_bytes": sum(os.path.getsize(f) for f in files)}
-        if system == "llama.cpp":
-            results["systems"][system], results["llama.cpp by flash attention"] = _llama_cpp(spec, workload)
-            results["llama-bench"] = llama_bench(weights, opts.threads, (1000, 4000), workload["decode_tokens"])
-        else:
-            results["systems"][system] = derive(run_system(spec))
+               "weight_file_read_s": file_read_seconds(files), "skipped": {}, "rounds": {}}
+    systems = [s for s in opts.systems if _runnable(s, source.kind, results["skipped"])]
+    base = {"model": weights, "dtype": opts.dtype, "device": opts.device, "threads": opts.threads,
+            "kv_tokens": opts.kv_tokens, "budget": opts.budget,
+            "engine_options": {"prepack_weights": opts.prepack, "cuda_graphs": opts.cuda_graphs},
+            "workload": workload, "weights_file_bytes": sum(os.path.getsize(f) for f in files)}
+    bar = tqdm(total=opts.rounds * len(systems), desc="bench engine", unit="run")
+    for round_ in range(opts.rounds):
+        for system in systems[round_ % max(len(systems), 1):] + systems[:round_ % max(len(systems), 1)]:
+            bar.set_postfix_str(f"round {round_ + 1}, {system}")
+            results["rounds"].setdefault(system, []).append(_run_once(system, {**base, "system": system}, opts))
+            bar.update()
+    bar.close()
+    results["systems"] = {system: median_run(runs) for system, runs in results["rounds"].items()}
+    results["spread"] = {system: spread(runs) for system, runs in results["rounds"].items()}
     return results
+
+
+def _runnable(system: str, kind: str, skipped: dict) -> bool:
+    if not available(system):
+        skipped[system] = "not installed (pip install -e .[peers])"
+    elif system == "llama.cpp" and kind != "gguf":
+        skipped[system] = "needs a GGUF model"
+    return system not in skipped
+
+
+def _run_once(system: str, spec: dict, opts: BenchOptions) -> dict:
+    """One fresh process of ``system`` over the whole workload (llama.cpp: one per flash-attention
+    setting, the better figure counting, with llama-bench's own figures beside)."""
+    if system != "llama.cpp":
+        return derive(run_system(spec))
+    result, by_setting = _llama_cpp(spec, spec["workload"])
+    return {**result, "by_flash_attention": by_setting,
+            "llama_bench": llama_bench(spec["model"], opts.threads, (1000, 4000), spec["workload"]["decode_tokens"])}
+
+
+def _figures(runs: list[dict]) -> dict[str, list[float]]:
+    good = [r for r in runs if "error" not in r]
+    return {key: [r[key] for r in good if isinstance(r.get(key), (int, float))] for key, _, _ in ROWS}
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The first good run, each figure of ``ROWS`` replaced by its median over the runs (an
+    error when every run failed)."""
+    good = [r for r in runs if "error" not in r]
+    if not good:
+        return runs[0]
+    return {**good[0], **{key: statistics.median(values) for key, values in _figures(runs).items() if values},
+            "runs": len(good)}
+
+
+def spread(runs: list[dict]) -> dict[str, tuple[float, float]]:
+    """Each figure's (min, max) over the runs."""
+    return {key: (min(values), max(values)) for key, values in _figures(runs).items() if values}
 
 
 def _llama_cpp(spec: dict, workload: dict) -> tuple[dict, dict]:

@@ -38,7 +38,7 @@ def make_system(spec: dict):
                                  spec["llama_batch"], max(map(int, spec["workload"]["batches"])))
     if name == "transformers":
         from xlserve.bench.engine_systems import TransformersSystem
-        return TransformersSystem(spec["model"], spec["threads"], spec["device"])
+        return TransformersSystem(spec["model"], spec["threads"], spec["device"], spec.get("dtype", "auto"))
     raise ValueError(f"unknown system {name!r}")
 
 

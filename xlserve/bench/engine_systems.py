@@ -118,25 +118,29 @@ class XlserveSystem(System):
 class TransformersSystem(System):
     name = "transformers"
 
-    def __init__(self, model_path: str, threads: int, device: str = "auto"):
+    def __init__(self, model_path: str, threads: int, device: str = "auto", dtype: str = "auto"):
         import os
 
         import torch
         from transformers import AutoModelForCausalLM
+
+        from xlserve.loader.model_loader import resolve_dtype
         torch.set_num_threads(threads)
         self.torch = torch
         self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                                    "cpu" if device == "auto" else device)
+        # xlserve's dtype, the faster one on this hardware ("auto": float32 on CPUs without bf16
+        # math, where torch's bf16 matmuls are emulated), and its fastest attention (SDPA)
+        self.dtype = resolve_dtype(dtype, self.device)
         where = {"gguf_file": os.path.basename(model_path)} if model_path.endswith(".gguf") else {}
-        # its fastest attention here (SDPA: flash kernels on CPU and GPU)
         self.model = AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(model_path) if where else model_path, dtype=torch.bfloat16, attn_implementation="sdpa",
+            os.path.dirname(model_path) if where else model_path, dtype=self.dtype, attn_implementation="sdpa",
             **where).to(self.device).eval()
         # its KV cache grows with what it holds: the overhead figure subtracts the most it held,
         # as it subtracts xlserve's pool and llama.cpp's context
         cfg = self.model.config.get_text_config()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.kv_token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2  # bf16 K and V
+        self.kv_token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * self.dtype.itemsize
         self.most_tokens_held = 0
 
     def _held(self, sequences: int, tokens: int) -> None:
