@@ -17,9 +17,12 @@ BUILDS = [isa for isa in portable_library.available_isas() if portable_library.l
 
 
 def random_rows(qtype: BlockType, n: int, k: int, seed: int = 0) -> torch.Tensor:
-    """[n, row bytes] of random blocks whose float16 fields are finite scales."""
+    """[n, row bytes] of random blocks whose float16 fields are finite scales (BF16: finite values)."""
     layout = LAYOUTS[qtype]
     rng = np.random.default_rng(seed)
+    if qtype is BlockType.BF16:
+        values = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32) * 0.05)
+        return values.to(torch.bfloat16).view(torch.uint8)
     blocks = rng.integers(0, 256, size=(n * k // layout.values, layout.bytes), dtype=np.uint8)
     for at in HALF_FIELDS[qtype]:
         blocks[:, at:at + 2] = (rng.standard_normal((blocks.shape[0], 1)) * 0.01).astype(np.float16).view(np.uint8)
@@ -184,6 +187,56 @@ def test_the_torch_path_of_cuda_and_compilerless_cpus_computes_the_same(mixed_gg
     finally:
         cpu_ops.set_enabled(True)
     for x, y in zip(got, expected):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            assert abs(lx["logprob"] - ly["logprob"]) < 1e-4
+
+
+@pytest.mark.skipif(not BUILDS, reason="no C compiler or not an x86-64 CPU with AVX2")
+def test_bf16_weights_stay_bf16_where_the_model_computes_in_float32(tmp_path):
+    """A BF16 file on a CPU computing in float32 (no bf16 math, or ``--dtype float32``) keeps
+    its matmul weights as stored, half the bytes of a float32 copy, widened exactly in the
+    kernels: the dequantized model's tokens and logprobs. In bfloat16 they are plain tensors."""
+    from xlserve import LLM, SamplingParams
+    from xlserve.layers.quantized import QuantizedWeight
+    path = str(tmp_path / "bf16.gguf")
+    stored = write_mixed_gguf(path, {part: BlockType.BF16 for part in MIX}, BlockType.BF16)
+    kept, plain = (LLM(path, dtype="float32", quantization=q, kv_cache_tokens=1024) for q in ("auto", "none"))
+    weights = {m.weight.parts[0].data.data_ptr(): m.weight for m in kept.engine.runner.model.modules()
+               if isinstance(getattr(m, "weight", None), QuantizedWeight)}
+    assert {p.qtype for w in weights.values() for p in w.parts} == {BlockType.BF16}
+    assert sum(w.nbytes for w in weights.values()) == stored  # the file's bytes; the tied head shares them
+    assert not any(isinstance(getattr(m, "weight", None), QuantizedWeight) for m in plain.engine.runner.model.modules())
+    a, b = kept.generate(PROMPTS, SamplingParams(**PARAMS)), plain.generate(PROMPTS, SamplingParams(**PARAMS))
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            assert abs(lx["logprob"] - ly["logprob"]) < 1e-4
+    in_bf16 = LLM(path, dtype="bfloat16", kv_cache_tokens=1024).engine.runner.model
+    assert not any(isinstance(getattr(m, "weight", None), QuantizedWeight) for m in in_bf16.modules())
+
+
+@pytest.mark.skipif(not BUILDS, reason="no C compiler or not an x86-64 CPU with AVX2")
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_a_bf16_checkpoint_computing_in_float32_keeps_its_matrices(tiny_model_dirs, tmp_path, arch):
+    """The same for a Hugging Face checkpoint saved in bfloat16 (experts too)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from xlserve import LLM, SamplingParams
+    from xlserve.layers.quantized import kept_weights
+    src, dst = tiny_model_dirs[arch], tmp_path / "bf16"
+    shutil.copytree(src, dst)
+    state = load_file(str(dst / "model.safetensors"))
+    save_file({name: t.to(torch.bfloat16) for name, t in state.items()}, str(dst / "model.safetensors"),
+              metadata={"format": "pt"})
+    kept, plain = (LLM(str(dst), dtype="float32", quantization=q, kv_cache_tokens=1024) for q in ("auto", "none"))
+    held = kept_weights(kept.engine.runner.model)
+    assert held and {p.qtype for w in held for p in w.parts} == {BlockType.BF16}
+    assert not kept_weights(plain.engine.runner.model)
+    a, b = kept.generate(PROMPTS, SamplingParams(**PARAMS)), plain.generate(PROMPTS, SamplingParams(**PARAMS))
+    for x, y in zip(a, b):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
         for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
             assert abs(lx["logprob"] - ly["logprob"]) < 1e-4

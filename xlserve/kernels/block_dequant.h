@@ -213,6 +213,11 @@ static inline void regs_q4_1(const uint8_t* b, vf* w) {
 
 #endif
 
+/* BF16: 32 raw bfloat16 values, widened exactly (the bits shifted into a float32's high half). */
+static inline void regs_bf16(const uint8_t* b, vf* w) {
+  for (int v = 0; v < VPB; ++v) w[v] = vload_bf16((const uint16_t*)b + v * VW);
+}
+
 /* The 32-value formats into memory through their register dequantization. */
 #define BLOCK_BY_REGS(T)                                                              \
   static void block_##T##_regs(const uint8_t* restrict b, float* restrict y) {        \
@@ -220,6 +225,6 @@ static inline void regs_q4_1(const uint8_t* b, vf* w) {
     regs_##T(b, w);                                                                   \
     for (int v = 0; v < VPB; ++v) vstore(y + v * VW, w[v]);                           \
   }
-BLOCK_BY_REGS(q8_0) BLOCK_BY_REGS(q4_0) BLOCK_BY_REGS(q4_1)
+BLOCK_BY_REGS(q8_0) BLOCK_BY_REGS(q4_0) BLOCK_BY_REGS(q4_1) BLOCK_BY_REGS(bf16)
 
 #endif

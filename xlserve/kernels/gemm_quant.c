@@ -1,5 +1,5 @@
 /* Matmul against GGUF block-quantized weights kept in their file format (Q8_0, Q4_0, Q4_1,
- * Q4_K, Q5_K, Q6_K): out[M, N] = x[M, K] @ dequant(W[N, K])^T, fp32 activations (or, asked,
+ * Q4_K, Q5_K, Q6_K, and BF16 where the model computes in float32): out[M, N] = x[M, K] @ dequant(W[N, K])^T, fp32 activations (or, asked,
  * 8-bit ones for the 32-value formats: dot_q8.c).
  *
  * Each thread takes tiles of NR weight rows: it dequantizes them into a small buffer that
@@ -68,12 +68,14 @@ typedef struct {
 #define FORMATS(X)                                                                             \
   X(q8_0, Q8_0, 32, 34, block_q8_0_regs) X(q4_0, Q4_0, 32, 18, block_q4_0_regs)              \
   X(q4_1, Q4_1, 32, 20, block_q4_1_regs) X(q4_k, Q4_K, 256, 144, block_q4_k_vec)             \
-  X(q5_k, Q5_K, 256, 176, block_q5_k_vec) X(q6_k, Q6_K, 256, 210, block_q6_k_vec)
+  X(q5_k, Q5_K, 256, 176, block_q5_k_vec) X(q6_k, Q6_K, 256, 210, block_q6_k_vec)            \
+  X(bf16, BF16, 32, 64, block_bf16_regs)
 #else
 #define FORMATS(X)                                                                             \
   X(q8_0, Q8_0, 32, 34, block_q8_0_regs) X(q4_0, Q4_0, 32, 18, block_q4_0_regs)              \
   X(q4_1, Q4_1, 32, 20, block_q4_1_regs) X(q4_k, Q4_K, 256, 144, block_q4_k)                 \
-  X(q5_k, Q5_K, 256, 176, block_q5_k) X(q6_k, Q6_K, 256, 210, block_q6_k)
+  X(q5_k, Q5_K, 256, 176, block_q5_k) X(q6_k, Q6_K, 256, 210, block_q6_k)                    \
+  X(bf16, BF16, 32, 64, block_bf16_regs)
 #endif
 #define ROW_FN(T, TYPE, VALUES, BYTES, BLOCK)                                                  \
   static void row_##T(const uint8_t* row, int64_t K, float* y, int streamed) {                \
@@ -181,7 +183,7 @@ typedef void (*regs_fn)(const uint8_t*, int64_t, int, const float*, int64_t, flo
 #define REGS_TYPE(T) \
   REGS_MICRO(T, 1, NR) REGS_MICRO(T, 2, NR) static const regs_fn REGS_##T[3] = {0, regs_##T##_1, regs_##T##_2};
 #endif
-REGS_TYPE(q8_0) REGS_TYPE(q4_0) REGS_TYPE(q4_1)
+REGS_TYPE(q8_0) REGS_TYPE(q4_0) REGS_TYPE(q4_1) REGS_TYPE(bf16)
 
 #if defined(__AVX512F__)
 /* Q4_K in registers: per super-block and weight row the 8 sub-blocks' scales are decoded once
@@ -231,6 +233,7 @@ static regs_fn regs_for(int type, int mr) {
     case Q8_0: return REGS_q8_0[mr];
     case Q4_0: return REGS_q4_0[mr];
     case Q4_1: return REGS_q4_1[mr];
+    case BF16: return REGS_bf16[mr];
 #if defined(__AVX512F__)
     case Q4_K: return REGS_q4_k[mr];
 #endif

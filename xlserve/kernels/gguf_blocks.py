@@ -22,6 +22,7 @@ class BlockType(enum.IntEnum):
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
+    BF16 = 30  # plain bfloat16, kept as stored only where the model computes in float32 (KEPT_BF16)
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class BlockLayout:
 LAYOUTS = {
     BlockType.Q4_0: BlockLayout(32, 18), BlockType.Q4_1: BlockLayout(32, 20), BlockType.Q8_0: BlockLayout(32, 34),
     BlockType.Q4_K: BlockLayout(256, 144), BlockType.Q5_K: BlockLayout(256, 176), BlockType.Q6_K: BlockLayout(256, 210),
+    BlockType.BF16: BlockLayout(32, 64),  # no scale: "blocks" of 32 values so every kernel path takes it
 }
 
 
@@ -99,7 +101,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
 
 DEQUANTIZERS = {BlockType.Q8_0: _q8_0, BlockType.Q4_0: _q4_0, BlockType.Q4_1: _q4_1,
                 BlockType.Q4_K: lambda b: _k_quant(b, False), BlockType.Q5_K: lambda b: _k_quant(b, True),
-                BlockType.Q6_K: _q6_k}
+                BlockType.Q6_K: _q6_k, BlockType.BF16: lambda b: b.contiguous().view(torch.bfloat16).float()}
 
 
 def dequantize(qtype: BlockType, data: torch.Tensor, k: int) -> torch.Tensor:

@@ -5,7 +5,9 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+/* BF16: plain bfloat16 values, kept as stored where the model computes in float32 (a CPU
+ * without bf16 math), in "blocks" of 32 values (64 bytes) so every path below takes it */
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30 };
 
 /* How far ahead of the block being multiplied a kernel prefetches its weight stream. The
  * hardware prefetcher alone leaves a streamed matmul latency-bound: on a 2-core AMD EPYC

@@ -25,7 +25,7 @@ from xlserve.loader.gguf_container import TensorInfo, read_gguf, release, tensor
 from xlserve.models.registry import GGUF_ARCHITECTURES, GGUF_MOE_ARCHITECTURES
 
 log = logging.getLogger(__name__)
-KEPT_TYPES = {int(t) for t in BlockType}
+KEPT_TYPES = {int(t) for t in BlockType} - {int(BlockType.BF16)}  # BF16 only when asked: keep_bf16
 UNQUANTIZED_TYPES = {0, 1, 30}  # ggml's F32, F16, BF16
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _ABSORBED_RE = re.compile(r"blk\.(\d+)\.attn_([kv])_b\.weight$")
@@ -87,11 +87,11 @@ class GGUFFile:
                 "moe_intermediate_size": size, "mlp_only_layers": dense,
                 "norm_topk_prob": bool(m.get(f"{arch}.expert_weights_norm", True))}
 
-    def weights(self, dtype: torch.dtype, keep_quantized: bool = False
+    def weights(self, dtype: torch.dtype, keep_quantized: bool = False, keep_bf16: bool = False
                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         """(name, tensor) in the Hugging Face layout; with ``keep_quantized``, matmul weights
         in a kept block format come as ``QuantizedWeight`` (a layer that cannot hold one
-        dequantizes it)."""
+        dequantizes it), BF16 ones too with ``keep_bf16``."""
         cfg = self.hf_config()
         dequantized: dict[str, int] = {}  # block formats without a kernel: type -> tensors
         permute = cfg["architectures"][0] in ("LlamaForCausalLM", "MixtralForCausalLM")  # llama.cpp's "llama"
@@ -101,7 +101,7 @@ class GGUFFile:
         for t in self.tensors:
             if t.name == ROPE_FREQS:  # already in the config
                 continue
-            tensor = self._read(t, keep_quantized, dequantized)
+            tensor = self._read(t, keep_quantized, dequantized, keep_bf16)
             release(self._data, t)
             if _ABSORBED_RE.match(t.name):
                 absorbed[t.name] = tensor
@@ -123,12 +123,13 @@ class GGUFFile:
         if absorbed:
             raise ValueError(f"GGUF file {self.path!r} has {', '.join(sorted(absorbed))} without its other half")
 
-    def _read(self, t: TensorInfo, keep_quantized: bool, dequantized: dict[str, int]
+    def _read(self, t: TensorInfo, keep_quantized: bool, dequantized: dict[str, int], keep_bf16: bool = False
               ) -> torch.Tensor | QuantizedWeight | QuantizedExperts:
         """A matmul weight in a kept block format as stored (when asked), else a tensor;
         ``dequantized`` counts the block-quantized tensors that had to be dequantized."""
         experts = len(t.shape) == 3 and t.name.endswith("_exps.weight")  # every expert's projection
-        if keep_quantized and t.qtype in KEPT_TYPES and (len(t.shape) == 2 or experts):
+        kept = t.qtype in KEPT_TYPES or (keep_bf16 and t.qtype == BlockType.BF16 and t.shape[-1] % 32 == 0)
+        if keep_quantized and kept and (len(t.shape) == 2 or experts):
             raw = torch.from_numpy(np.array(tensor_bytes(self._data, t)))  # copied: the pages are released
             if experts:
                 return QuantizedExperts(t.qtype, raw.reshape(*t.shape[:2], -1), t.shape)

@@ -12,7 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from xlserve.config import ModelConfig
-from xlserve.kernels import invariant_linear
+from xlserve.kernels import invariant_linear, portable_library
 from xlserve.kernels.cpu_ops import cpu_flags as _cpu_flags
 from xlserve.layers.quantized import describe as describe_quantized
 from xlserve.layers.quantized import set_activation_bits
@@ -58,6 +58,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def keeps_bf16(keep: bool, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether bf16 weights stay bf16 though the model computes in float32: on a CPU without
+    bf16 math (``resolve_dtype``) whose C kernels widen them in registers, exactly, as they
+    read them. Half the bytes of a float32 copy, read once per decoded token: the default
+    model's BF16 GGUF on a 2-core first-generation Zen, see ``docs/quantization.md``."""
+    return keep and dtype == torch.float32 and device.type == "cpu" and portable_library.kernels() is not None
+
+
 def load_model(config: ModelConfig) -> LoadedModel:
     source = resolve_model(config.model)
     device = resolve_device(config.device)
@@ -85,7 +93,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     sliced = (tp.size > 1 or stage.count > 1 or expert_exchange.current().active) and source.kind != "gguf"
     keep = config.quantization == "auto"
     weights = (reader.weights(dtype, lazy=True, keep_quantized=keep) if sliced
-               else reader.weights(dtype, keep_quantized=keep))
+               else reader.weights(dtype, keep_quantized=keep, keep_bf16=keeps_bf16(keep, dtype, device)))
     bar = tqdm(weights, total=reader.num_tensors, desc=f"Loading {source.name}",
                unit="tensor", leave=False, disable=None)  # None: only on a terminal
     started = time.perf_counter()

@@ -10,6 +10,7 @@ from typing import Iterator
 
 import torch
 
+from xlserve.kernels.gguf_blocks import BlockType
 from xlserve.layers.quantized import QuantizedWeight
 from xlserve.loader.checkpoint_quantization import checkpoint_quantization
 from xlserve.loader.lazy_tensor import LazyTensor, ReadCount
@@ -74,12 +75,13 @@ class SafetensorsDir:
     def file_bytes(self) -> int:
         return sum(os.path.getsize(f) for f in self.files)
 
-    def weights(self, dtype: torch.dtype, lazy: bool = False, keep_quantized: bool = False
+    def weights(self, dtype: torch.dtype, lazy: bool = False, keep_quantized: bool = False, keep_bf16: bool = False
                 ) -> Iterator[tuple[str, torch.Tensor | LazyTensor | QuantizedWeight]]:
         """(name, tensor) in ``dtype``; ``lazy``: unquantized tensors as ``LazyTensor``s, read
         when (and as far as) the model's loader indexes them (tensor-parallel slices);
         ``keep_quantized``: quantized tensors whose values a block format holds exactly come
-        as ``QuantizedWeight`` (a layer that cannot hold one dequantizes it)."""
+        as ``QuantizedWeight`` (a layer that cannot hold one dequantizes it), and with
+        ``keep_bf16`` so do bfloat16 matrices (``BlockType.BF16``)."""
         # safe_open memory-maps the file: tensors are read as they are copied in.
         from safetensors import SafetensorError, safe_open
         for file in self.files:
@@ -91,16 +93,19 @@ class SafetensorsDir:
                         if lazy and not self._quantized(f, name):
                             yield name, LazyTensor(f.get_slice(name), dtype, self.read)
                         else:
-                            yield self._plain(name, f.get_tensor(name), dtype, keep_quantized)
+                            yield self._plain(name, f.get_tensor(name), dtype, keep_quantized, keep_bf16)
             except SafetensorError as e:
                 raise ValueError(f"cannot read weights {file!r} (corrupt or truncated?): {e}") from e
 
     def _quantized(self, f, name: str) -> bool:
         return self.quantization is not None and f.get_slice(name).get_dtype() in QUANTIZED_DTYPES
 
-    def _plain(self, name: str, tensor: torch.Tensor, dtype: torch.dtype, keep_quantized: bool
-               ) -> tuple[str, torch.Tensor | QuantizedWeight]:
+    def _plain(self, name: str, tensor: torch.Tensor, dtype: torch.dtype, keep_quantized: bool,
+               keep_bf16: bool = False) -> tuple[str, torch.Tensor | QuantizedWeight]:
         self.read.bytes += tensor.numel() * tensor.element_size()
+        if keep_bf16 and tensor.dtype == torch.bfloat16 and tensor.dim() == 2 and tensor.shape[1] % 32 == 0:
+            return name, QuantizedWeight.from_blocks(BlockType.BF16, tensor.contiguous().view(torch.uint8),
+                                                     tuple(tensor.shape))
         kept = keep_quantized and self.quantization and self.quantization.keep(name, tensor, self._fetch)
         if kept:
             return kept
