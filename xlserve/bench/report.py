@@ -86,13 +86,17 @@ def engine_png(results: dict, path: str) -> None:
     width = 0.8 / max(len(systems), 1)
     for i, (name, r) in enumerate(systems.items()):
         values = [r.get(k) or 0 for k, _ in rows]
-        ax.bar([j + i * width for j in range(len(rows))], values, width, label=name)
+        bounds = [results.get("spread", {}).get(name, {}).get(k, (v, v)) for (k, _), v in zip(rows, values)]
+        errors = [[v - lo for v, (lo, _) in zip(values, bounds)], [hi - v for v, (_, hi) in zip(values, bounds)]]
+        ax.bar([j + i * width for j in range(len(rows))], values, width, label=name, yerr=errors, capsize=3)
     ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(rows))])
     ax.set_xticklabels([label.replace(", ", "\n") for _, label in rows], fontsize=8)
     ax.set_ylabel("tokens / s")
     ax.set_yscale("log")
     where = "GPU" if results["options"].get("device") == "cuda" else f"{results['options']['threads']} threads"
-    ax.set_title(f"Engine throughput, {where}, same BF16 weights")
+    rounds = results["options"].get("rounds", 1)
+    spread = f", median of {rounds} rounds (bars: min-max)" if rounds > 1 else ""
+    ax.set_title(f"Engine throughput, {where}, same BF16 weights{spread}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
