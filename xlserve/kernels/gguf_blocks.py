@@ -22,7 +22,7 @@ class BlockType(enum.IntEnum):
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
-    BF16 = 30  # plain bfloat16, kept as stored only where the model computes in float32 (KEPT_BF16)
+    BF16 = 30  # plain bfloat16, kept as stored only where the model computes in float32 (model_loader.keeps_bf16)
 
 
 @dataclass(frozen=True)

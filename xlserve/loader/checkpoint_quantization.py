@@ -204,7 +204,8 @@ class ZeroPointInt(CheckpointQuantization):
                                                    "(act-order or a group size off 32)")
         kept = blocks_from_zero_point(codes, scales[:, per_block], zeros[:, per_block])
         if kept is None:
-            return self._dequantized_because(name, "scales that are not float16 values")
+            return self._dequantized_because(name, "values no block type holds exactly (scales outside "
+                                                   "float16, or 8-bit codes minus zero points past 8 bits)")
         qtype, blocks = kept
         return base, QuantizedWeight.from_blocks(qtype, blocks, tuple(codes.shape))
 
