@@ -121,3 +121,17 @@ def test_a_table_of_the_wrong_shape_is_refused_before_the_c_step_reads_it():
     with pytest.raises(ValueError, match="int64 \\[layers"):
         decode_step.decode_step_(lib, x, torch.zeros(2, 9, dtype=torch.int64), 1e-5, 4, 2, 16, 128, cos, cos,
                                  slots[0], slots, slots[0], 0.25)
+
+
+@pytest.mark.skipif(not TAKEN, reason="the portable kernels do not build")
+def test_a_first_call_with_the_kernels_off_does_not_keep_them_off(monkeypatch):
+    """The build is chosen at the first call with the kernels on: an eager comparison first
+    (``set_enabled(False)``) once left every later run on torch's paths, and a deterministic
+    run lost its batch invariance."""
+    monkeypatch.setattr(portable_library, "_chosen", False)
+    cpu_ops.set_enabled(False)
+    try:
+        assert portable_library.kernels() is None
+    finally:
+        cpu_ops.set_enabled(True)
+    assert portable_library.kernels() is not None

@@ -87,17 +87,21 @@ _chosen: ctypes.CDLL | None | bool = False
 
 
 def kernels() -> ctypes.CDLL | None:
-    """The best build for this CPU, or None (torch computes instead)."""
+    """The best build for this CPU, or None (torch computes instead). Chosen at the first call
+    with the kernels switched on: a first call while they are off (``cpu_ops.set_enabled``)
+    must not leave them off for good, or a later run would mix torch and kernel paths (a
+    deterministic run once lost its batch invariance that way, after an eager comparison)."""
     global _chosen
+    if not cpu_ops.enabled():
+        return None
     if _chosen is False:
         _chosen = None
-        if cpu_ops.enabled():
-            for isa in available_isas():
-                _chosen = library(isa)
-                if _chosen is not None:
-                    log.info("portable CPU kernels: %s", isa.value)
-                    break
-    return _chosen if cpu_ops.enabled() else None
+        for isa in available_isas():
+            _chosen = library(isa)
+            if _chosen is not None:
+                log.info("portable CPU kernels: %s", isa.value)
+                break
+    return _chosen
 
 
 def row_kernels(*tensors: torch.Tensor) -> ctypes.CDLL | None:
