@@ -240,3 +240,10 @@ def test_a_bf16_checkpoint_computing_in_float32_keeps_its_matrices(tiny_model_di
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
         for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
             assert abs(lx["logprob"] - ly["logprob"]) < 1e-4
+
+
+@pytest.mark.skipif(not BUILDS, reason="no C compiler or not an x86-64 CPU with AVX2")
+def test_every_build_this_cpu_runs_compiles():
+    """A build that fails to compile is left out quietly at run time (the next one serves), so
+    the tests above would pass on fewer builds than the CPU has: every one must build here."""
+    assert BUILDS == portable_library.available_isas()
