@@ -55,9 +55,10 @@ def test_kernel_dequantizes_exactly_and_multiplies_within_tolerance(isa, qtype, 
     (register, tile and integer paths); a row's result the same bits whatever else is in the
     batch."""
     lib = portable_library.library(isa)
-    # a last tile of one row; 17 blocks of 32 for the 32-value formats: the 8-block groups of
-    # the VNNI path end in a group of one, and a pair of blocks with one missing
-    n, k = 37, 512 if LAYOUTS[qtype].values == 256 else 544
+    # a last tile of one row; 49 blocks of 32 for the 32-value formats: the 8-block groups of
+    # the VNNI path end in a group of one, a pair of blocks with one missing, and the Q4_1
+    # register path's scales come in two chunks of blocks (32, then 17)
+    n, k = 37, 512 if LAYOUTS[qtype].values == 256 else 1568
     data = random_rows(qtype, n, k, seed=int(qtype))
     ref = reference(qtype, data, k)
     ids = torch.tensor([5, 0, 36, 5])
