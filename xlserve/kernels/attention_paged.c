@@ -34,9 +34,6 @@
 #define ROWS 16  /* rows of one sequence per work item */
 #define STATES 64 /* (row, head) pairs per work item at most: their q and sums stay in L2 */
 
-static inline vf load_lanes(const void* p, int64_t i, int bf16) {
-  return bf16 ? vload_bf16((const uint16_t*)p + i) : vload((const float*)p + i);
-}
 
 /* The running softmax of one (row, head): max, sum, and the weighted values in acc [D]. */
 typedef struct {

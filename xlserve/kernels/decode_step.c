@@ -33,9 +33,6 @@ static inline void st(void* p, int64_t i, float v, int bf16) {
   else ((float*)p)[i] = v;
 }
 static inline float rnd(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
-static inline vf load_lanes(const void* p, int64_t i, int bf16) {
-  return bf16 ? vload_bf16((const uint16_t*)p + i) : vload((const float*)p + i);
-}
 
 /* Llama's RMSNorm of T rows of H (norm.py:RMSNorm): x * 1/sqrt(mean(x^2) + eps) in fp32,
  * rounded to the activation dtype, times the weight (rounded again). The squares are summed
@@ -54,7 +51,10 @@ void xl_row_rmsnorm(const void* x, const void* w, void* out, int64_t T, int64_t 
     float sum = vsum(acc);
     for (; i < H; ++i) sum += ld(x, base + i, bf16) * ld(x, base + i, bf16);
     const float inv = 1.0f / sqrtf(sum / (float)H + eps);
-    for (i = 0; i < H; ++i) st(out, base + i, rnd(ld(x, base + i, bf16) * inv, bf16) * ld(w, i, bf16), bf16);
+    for (i = 0; i + VW <= H; i += VW)
+      store_lanes(out, base + i, vmul(round_lanes(vmul(load_lanes(x, base + i, bf16), vset1(inv)), bf16),
+                                      load_lanes(w, i, bf16)), bf16);
+    for (; i < H; ++i) st(out, base + i, rnd(ld(x, base + i, bf16) * inv, bf16) * ld(w, i, bf16), bf16);
   }
 }
 
@@ -70,6 +70,12 @@ void xl_row_silu_mul(const void* gate_up, void* out, int64_t T, int64_t I, int b
       for (int j = 0; j < VW; ++j) s[j] = j < n ? -ld(gate_up, g0 + i + j, bf16) : 0.0f;
       /* exp(-gate) for gate < -88 would overflow the exponent trick: silu is -0 there anyway */
       vstore(s, vexp(vmin(vload(s), vset1(88.0f))));
+      if (n == VW) { /* the same operations on whole vectors */
+        const vf g = load_lanes(gate_up, g0 + i, bf16);
+        store_lanes(out, t * I + i, vmul(round_lanes(vdiv(g, vadd(vset1(1.0f), vload(s))), bf16),
+                                         load_lanes(gate_up, u0 + i, bf16)), bf16);
+        continue;
+      }
       for (int j = 0; j < n; ++j) {
         const float g = ld(gate_up, g0 + i + j, bf16);
         st(out, t * I + i + j, rnd(g / (1.0f + s[j]), bf16) * ld(gate_up, u0 + i + j, bf16), bf16);
@@ -106,18 +112,29 @@ static void project(const int64_t* p, const float* x, int64_t M, int64_t N, int6
 /* quant_ops.finish: + bias in fp32, rounded to the activation dtype once; + residual, rounded */
 static void finish(const float* y, const void* bias, const void* residual, void* dst, int64_t M, int64_t N,
                    int bf16) {
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = 0; n < N; ++n) {
+  for (int64_t m = 0; m < M; ++m) {
+    int64_t n = 0;
+    for (; n + VW <= N; n += VW) { /* the same operations, VW at a time */
+      vf v = vload(y + m * N + n);
+      if (bias) v = vadd(v, load_lanes(bias, n, bf16));
+      v = round_lanes(v, bf16);
+      if (residual) v = round_lanes(vadd(load_lanes(residual, m * N + n, bf16), v), bf16);
+      store_lanes(dst, m * N + n, v, bf16);
+    }
+    for (; n < N; ++n) {
       float v = y[m * N + n];
       if (bias) v += ld(bias, n, bf16);
       v = rnd(v, bf16);
       if (residual) v = rnd(ld(residual, m * N + n, bf16) + v, bf16);
       st(dst, m * N + n, v, bf16);
     }
+  }
 }
 
 static void widen(const void* x, float* out, int64_t count, int bf16) {
-  for (int64_t i = 0; i < count; ++i) out[i] = ld(x, i, bf16);
+  int64_t i = 0;
+  for (; i + VW <= count; i += VW) vstore(out + i, load_lanes(x, i, bf16));
+  for (; i < count; ++i) out[i] = ld(x, i, bf16);
 }
 
 /* rotary.py, rotate-half: x * cos + rotate_half(x) * sin on the q and k heads of each row,

@@ -24,6 +24,7 @@ typedef __m512 vf;
 #define vmul _mm512_mul_ps
 #define vadd _mm512_add_ps
 #define vsub _mm512_sub_ps
+#define vdiv _mm512_div_ps
 #define vmax _mm512_max_ps
 #define vmin _mm512_min_ps
 static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
@@ -46,6 +47,7 @@ typedef __m256 vf;
 #define vmul _mm256_mul_ps
 #define vadd _mm256_add_ps
 #define vsub _mm256_sub_ps
+#define vdiv _mm256_div_ps
 #define vmax _mm256_max_ps
 #define vmin _mm256_min_ps
 static inline float vsum(vf v) { return hsum256(v); }
@@ -73,4 +75,43 @@ static inline vf vexp(vf x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
 #endif
 }
+/* fp32 lanes rounded to bfloat16 as bf16.h's f32_to_bf16 rounds (to nearest even), then either
+ * widened back (vround_bf16) or stored as bfloat16 (vstore_bf16): the row kernels' bf16
+ * roundings, VW at a time, with the same bits as the scalar ones. */
+#if defined(__AVX512F__)
+static inline __m512i round_bits_bf16(vf v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  return _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+}
+static inline vf vround_bf16(vf v) {
+  return _mm512_castsi512_ps(_mm512_and_si512(round_bits_bf16(v), _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+static inline void vstore_bf16(uint16_t* p, vf v) {
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bits_bf16(v), 16)));
+}
+#else
+static inline __m256i round_bits_bf16(vf v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  return _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
+}
+static inline vf vround_bf16(vf v) {
+  return _mm256_castsi256_ps(_mm256_and_si256(round_bits_bf16(v), _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+static inline void vstore_bf16(uint16_t* p, vf v) {
+  const __m256i high = _mm256_srli_epi32(round_bits_bf16(v), 16); /* each fits 16 bits: the pack cannot saturate */
+  _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1)));
+}
+#endif
+
+/* VW values of a row in the activation dtype (fp32, or bf16 when ``bf16``) as fp32 lanes, and back */
+static inline vf load_lanes(const void* p, int64_t i, int bf16) {
+  return bf16 ? vload_bf16((const uint16_t*)p + i) : vload((const float*)p + i);
+}
+static inline void store_lanes(void* p, int64_t i, vf v, int bf16) {
+  if (bf16) vstore_bf16((uint16_t*)p + i, v);
+  else vstore((float*)p + i, v);
+}
+static inline vf round_lanes(vf v, int bf16) { return bf16 ? vround_bf16(v) : v; }
 #endif
