@@ -115,9 +115,11 @@ static inline void regs_q4_0(const uint8_t* b, vf* w) {
   nibble_lookup(b + 2, vmul(vset1(half(b)), vsub(nibble_values(), vset1(8.0f))), w);
 }
 
-static inline void regs_q4_1(const uint8_t* b, vf* w) {
-  nibble_lookup(b + 4, vadd(vmul(vset1(half(b)), nibble_values()), vset1(half(b + 2))), w);
-}
+/* Q4_1's 16 possible values d * q + m (the reference's operations); gemm_quant.c's 1-4 row
+ * kernel calls it with scales it converted beforehand */
+static inline vf q4_1_table(float d, float m) { return vadd(vmul(vset1(d), nibble_values()), vset1(m)); }
+
+static inline void regs_q4_1(const uint8_t* b, vf* w) { nibble_lookup(b + 4, q4_1_table(half(b), half(b + 2)), w); }
 
 /* Q4_K sub-block j's 16 possible values, ds_j * v - dm_j (the reference's operations). */
 static inline vf q4_k_table(float d, float dmin, const uint8_t* sc, const uint8_t* mn, int j) {

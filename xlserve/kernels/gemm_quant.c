@@ -178,7 +178,6 @@ static void multiply_tile(const float* tile, int rows, const float* x, int64_t M
  * 3 rows 10.37-10.43 -> 9.46-9.49, 4 rows 12.15-12.25 -> 11.41-12.34; 6 and 8 rows lose
  * (16.9 -> 18.3, 22.0 -> 23.6), as does Q4_0 from 3 rows (one broadcast per block there). */
 #define SCALE_CHUNK 32
-static inline vf table_q4_1(const float* dm) { return vadd(vmul(vset1(dm[0]), nibble_values()), vset1(dm[1])); }
 
 #define LOOKUP_MICRO(T, MR, NW)                                                                    \
   static void regs_##T##_##MR(const uint8_t* w, int64_t row_bytes, int bytes, const float* x,      \
@@ -199,7 +198,7 @@ static inline vf table_q4_1(const float* dm) { return vadd(vmul(vset1(dm[0]), ni
           vf wv[2];                                                                                \
           const uint8_t* block = w + (r < rows ? r : 0) * row_bytes + (b0 + j) * bytes;           \
           prefetch_ahead(block);                                                                   \
-          nibble_lookup(block + 4, table_##T(dm[j][r]), wv);                                       \
+          nibble_lookup(block + 4, T##_table(dm[j][r][0], dm[j][r][1]), wv);                      \
           for (int m = 0; m < MR; ++m)                                                             \
             for (int v = 0; v < 2; ++v)                                                            \
               acc[m][r] = vfma(wv[v], vload(x + m * K + (b0 + j) * 32 + v * VW), acc[m][r]);       \
