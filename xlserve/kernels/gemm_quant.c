@@ -184,19 +184,22 @@ static void multiply_tile(const float* tile, int rows, const float* x, int64_t M
                               int64_t K, float* out, int64_t ldo, int rows) {                      \
     vf acc[MR][NW];                                                                                \
     float dm[SCALE_CHUNK][NW][2];                                                                  \
+    const uint8_t* row[NW];                                                                        \
+    for (int r = 0; r < NW; ++r) row[r] = w + (r < rows ? r : 0) * row_bytes;                      \
     for (int m = 0; m < MR; ++m)                                                                   \
       for (int r = 0; r < NW; ++r) acc[m][r] = vzero();                                            \
     for (int64_t b0 = 0; b0 < K / 32; b0 += SCALE_CHUNK) {                                         \
       const int chunk = K / 32 - b0 < SCALE_CHUNK ? (int)(K / 32 - b0) : SCALE_CHUNK;              \
       for (int j = 0; j < chunk; ++j)                                                              \
         for (int r = 0; r < NW; ++r) {                                                             \
-          const uint8_t* block = w + (r < rows ? r : 0) * row_bytes + (b0 + j) * bytes;            \
-          _mm_storel_pi((__m64*)dm[j][r], _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int*)block)));    \
+          int scales; /* d and m, two float16 values */                                            \
+          memcpy(&scales, row[r] + (b0 + j) * bytes, sizeof scales);                               \
+          _mm_storel_pi((__m64*)dm[j][r], _mm_cvtph_ps(_mm_cvtsi32_si128(scales)));                \
         }                                                                                          \
       for (int j = 0; j < chunk; ++j) {                                                            \
         for (int r = 0; r < NW; ++r) {                                                             \
           vf wv[2];                                                                                \
-          const uint8_t* block = w + (r < rows ? r : 0) * row_bytes + (b0 + j) * bytes;           \
+          const uint8_t* block = row[r] + (b0 + j) * bytes;                                        \
           prefetch_ahead(block);                                                                   \
           nibble_lookup(block + 4, T##_table(dm[j][r][0], dm[j][r][1]), wv);                      \
           for (int m = 0; m < MR; ++m)                                                             \
