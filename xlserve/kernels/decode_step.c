@@ -65,17 +65,17 @@ void xl_row_silu_mul(const void* gate_up, void* out, int64_t T, int64_t I, int b
   for (int64_t t = 0; t < T; ++t) {
     const int64_t g0 = t * 2 * I, u0 = g0 + I;
     float s[VW];
-    for (int64_t i = 0; i < I; i += VW) {
-      const int n = I - i < VW ? (int)(I - i) : VW;
+    /* exp(-gate) for gate < -88 would overflow the exponent trick: silu is -0 there anyway */
+    int64_t i = 0;
+    for (; i + VW <= I; i += VW) { /* whole vectors: the tail's operations, VW at a time */
+      const vf g = load_lanes(gate_up, g0 + i, bf16), e = vexp(vmin(vmul(g, vset1(-1.0f)), vset1(88.0f)));
+      store_lanes(out, t * I + i, vmul(round_lanes(vdiv(g, vadd(vset1(1.0f), e)), bf16),
+                                       load_lanes(gate_up, u0 + i, bf16)), bf16);
+    }
+    if (i < I) {
+      const int n = (int)(I - i);
       for (int j = 0; j < VW; ++j) s[j] = j < n ? -ld(gate_up, g0 + i + j, bf16) : 0.0f;
-      /* exp(-gate) for gate < -88 would overflow the exponent trick: silu is -0 there anyway */
       vstore(s, vexp(vmin(vload(s), vset1(88.0f))));
-      if (n == VW) { /* the same operations on whole vectors */
-        const vf g = load_lanes(gate_up, g0 + i, bf16);
-        store_lanes(out, t * I + i, vmul(round_lanes(vdiv(g, vadd(vset1(1.0f), vload(s))), bf16),
-                                         load_lanes(gate_up, u0 + i, bf16)), bf16);
-        continue;
-      }
       for (int j = 0; j < n; ++j) {
         const float g = ld(gate_up, g0 + i + j, bf16);
         st(out, t * I + i + j, rnd(g / (1.0f + s[j]), bf16) * ld(gate_up, u0 + i + j, bf16), bf16);
