@@ -35,3 +35,22 @@ def test_chunk_after_prefix_matches_reference(monkeypatch, fused_call, consecuti
     chunk = PrefillChunk(0, n, slots, blocks[0] * block if consecutive else None)
     out = attention._attend_context(q, k, v, cache_k, cache_v, chunk)
     torch.testing.assert_close(out, _reference(q, cache_k[slots], cache_v[slots]), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("windowed", [False, True])
+def test_host_decode_context_matches_the_device_one(windowed):
+    """The runner's host-side decode metadata (numpy) is the CUDA graphs' ``decode_context``:
+    the same slots, real positions and new slots, padding pointing at each row's new token."""
+    gen = torch.Generator().manual_seed(0)
+    block = 16
+    lens = [1, 17, 40, 16, 33]
+    blocks = [torch.randperm(64, generator=gen)[:-(-n // block) + int(i % 2)].tolist() for i, n in enumerate(lens)]
+    firsts = [0, 5, 23, 0, 32] if windowed else None
+    width = -(-max(lens) // block)
+    table = attention.block_table(blocks, len(lens), width, 0)
+    counts = [n - f for n, f in zip(lens, firsts or [0] * len(lens))]
+    want = attention.decode_context(table, torch.tensor(lens), max(counts), block,
+                                    torch.tensor(firsts) if windowed else None)
+    got = attention.host_decode_context(blocks, lens, block, firsts)
+    for g, w in zip(got, want):
+        assert torch.equal(torch.from_numpy(g), w)

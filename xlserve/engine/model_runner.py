@@ -19,7 +19,7 @@ from xlserve.engine.kv_groups import KVGroup, plan_groups
 from xlserve.engine.request_sampling import RequestSampling
 from xlserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from xlserve.kernels import cpu_ops, portable_library
-from xlserve.layers.attention import AttentionMetadata, PrefillChunk, additive_mask, block_table, decode_context
+from xlserve.layers.attention import AttentionMetadata, PrefillChunk, additive_mask, host_decode_context
 from xlserve.layers.moe import SparseMoE
 from xlserve.loader.model_loader import LoadedModel
 from xlserve.models.arch import FEATURES
@@ -180,26 +180,26 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(self.device), prefills=prefills,
                                  decode_rows=base.decode_rows, decode_lens=base.decode_lens)
         if decode:  # each row over its window only: from its first kept position to the new token
-            lens, firsts = torch.tensor([n for _, n, _ in decode]), torch.tensor([f for _, _, f in decode])
-            blocks = block_table([t for t, _, _ in decode], len(decode), -(-int(lens.max()) // self.block_size), 0)
-            table, real, _ = decode_context(blocks, lens, int((lens - firsts).max()), self.block_size, firsts)
-            meta.decode_slots, meta.decode_firsts = table.to(self.device), firsts.to(self.device)
-            meta.decode_mask = additive_mask(real.view(len(decode), 1, 1, -1).to(self.device),
+            firsts = [f for _, _, f in decode]
+            table, real, _ = host_decode_context([t for t, _, _ in decode], [n for _, n, _ in decode],
+                                                 self.block_size, firsts)
+            meta.decode_slots = torch.from_numpy(table).to(self.device)
+            meta.decode_firsts = torch.tensor(firsts, device=self.device)
+            meta.decode_mask = additive_mask(torch.from_numpy(real).view(len(decode), 1, 1, -1).to(self.device),
                                              self.dtype)
             meta.window_masks[window] = meta.decode_mask  # every slot listed is inside the window
         return meta
 
     def _decode_metadata(self, meta: AttentionMetadata, decode: list) -> None:
-        """Context slots of every one-token sequence from one padded block table, in one gather."""
-        lens = torch.tensor([s.start_position + 1 for _, s in decode])
-        longest = int(lens.max())
-        table = block_table([s.block_ids for _, s in decode], len(decode), -(-longest // self.block_size), 0)
-        slots, real, meta.decode_new_slots = decode_context(table, lens, longest, self.block_size)
+        """Context slots of every one-token sequence, built on the host (``host_decode_context``)."""
+        lens = [s.start_position + 1 for _, s in decode]
+        slots, real, new_slots = host_decode_context([s.block_ids for _, s in decode], lens, self.block_size)
+        meta.decode_new_slots = torch.from_numpy(new_slots)
         meta.decode_rows = torch.tensor([r for r, _ in decode], device=self.device)
-        meta.decode_lens = lens.to(self.device)
-        meta.decode_slots = slots.to(self.device)
-        if not meta.fused_decode:  # the fused kernel reads lengths; SDPA needs the padding masked
-            meta.decode_mask = additive_mask(real.view(len(decode), 1, 1, longest).to(self.device),
+        meta.decode_lens = torch.tensor(lens, device=self.device)
+        meta.decode_slots = torch.from_numpy(slots).to(self.device)
+        if meta.masks_decode:
+            meta.decode_mask = additive_mask(torch.from_numpy(real).view(len(decode), 1, 1, -1).to(self.device),
                                              self.dtype)
 
     @staticmethod
