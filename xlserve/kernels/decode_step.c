@@ -194,11 +194,12 @@ static void decode_layer(const int64_t* l, void* x, const step_shape* s, scratch
 
 /* Every layer on x [B, H] (activation dtype) in place. ``layers``: [n_layers, LAYER_FIELDS]
  * int64; cos/sin [B, D]; the new K/V go to ``new_slots`` [B]; row b attends to the first
- * ``row_len[b]`` slots of ``table`` [B, L] (row_seq: 0 .. B-1). D at most 2048. */
+ * ``row_len[b]`` slots of ``table`` [B, L]. D at most 2048. */
 void xl_decode_step(void* x, int64_t B, int64_t H, int64_t n_layers, const int64_t* layers, float eps, int64_t Hq,
                     int64_t Hk, int64_t D, int64_t I, const void* cs, const void* sn, const int64_t* new_slots,
-                    const int64_t* table, int64_t L, const int64_t* row_seq, const int64_t* row_len, float scale,
-                    int bf16, int threads) {
+                    const int64_t* table, int64_t L, const int64_t* row_len, float scale, int bf16, int threads) {
+  int64_t* row_seq = (int64_t*)malloc(sizeof(int64_t) * B); /* row b reads table row b */
+  for (int64_t b = 0; b < B; ++b) row_seq[b] = b;
   const step_shape s = {B, H, Hq, Hk, D, I, L, eps, scale, bf16, threads, cs, sn, new_slots, table, row_seq, row_len};
   const int64_t es = bf16 ? 2 : 4, row = (Hq + 2 * Hk) * D, widest = row > 2 * I ? row : 2 * I;
   const int64_t inputs = H > Hq * D ? (H > I ? H : I) : (Hq * D > I ? Hq * D : I);
@@ -213,4 +214,5 @@ void xl_decode_step(void* x, int64_t B, int64_t H, int64_t n_layers, const int64
   free(w.act);
   free(w.xf);
   free(w.y);
+  free(row_seq);
 }

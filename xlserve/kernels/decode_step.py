@@ -10,6 +10,7 @@ part the eager path multiplies with torch, too many parts) keeps the step on the
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -79,7 +80,7 @@ def decode_step_(lib: ctypes.CDLL, x: torch.Tensor, table: torch.Tensor, eps: fl
     """Every layer on ``x`` [B, H] in place; ``table`` [layers, fields] int64 from
     ``layer entries``; cos/sin [B, D] in x's dtype; row b writes its K/V to ``new_slots[b]`` and
     attends to the first ``lens[b]`` of ``slots[b]``."""
-    fields = lib.xl_decode_step_layer_fields()
+    fields = layer_fields(lib)
     if table.dim() != 2 or table.shape[1] != fields or table.dtype != torch.int64:
         # the C loop reads raw addresses: any other table is a crash
         raise ValueError(f"the decode step needs an int64 [layers, {fields}] table, got {table.dtype} "
@@ -90,8 +91,12 @@ def decode_step_(lib: ctypes.CDLL, x: torch.Tensor, table: torch.Tensor, eps: fl
     # named, so each lives until the call returns (the C step reads their addresses)
     cos, sin = cos.to(x.dtype).contiguous(), sin.to(x.dtype).contiguous()
     new_slots, slots, lens = (t.to(torch.int64).contiguous() for t in (new_slots, slots, lens))
-    row_seq = torch.arange(b, dtype=torch.int64)
     lib.xl_decode_step(x.data_ptr(), b, h, table.shape[0], table.data_ptr(), eps, num_heads, num_kv_heads,
                        head_dim, intermediate, cos.data_ptr(), sin.data_ptr(), new_slots.data_ptr(), slots.data_ptr(),
-                       slots.shape[1], row_seq.data_ptr(), lens.data_ptr(), scale, _is_bf16(x),
-                       torch.get_num_threads())
+                       slots.shape[1], lens.data_ptr(), scale, _is_bf16(x), torch.get_num_threads())
+
+
+@functools.cache
+def layer_fields(lib: ctypes.CDLL) -> int:
+    """The int64 fields of a layer's table row in this build (decode_step.c's LAYER_FIELDS)."""
+    return lib.xl_decode_step_layer_fields()

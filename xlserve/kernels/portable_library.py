@@ -56,7 +56,7 @@ SIGNATURES = {
     "xl_paged_attention_windowed": ([P, I64, I64, I64, I64, I64, P, P, P, I64, P, P, P, P, P, F32, P, I32, I32], None),
     "xl_row_rmsnorm": ([P, P, P, I64, I64, F32, I32, I32], None),
     "xl_row_silu_mul": ([P, P, I64, I64, I32, I32], None),
-    "xl_decode_step": ([P, I64, I64, I64, P, F32, I64, I64, I64, I64, P, P, P, P, I64, P, P, F32, I32, I32], None),
+    "xl_decode_step": ([P, I64, I64, I64, P, F32, I64, I64, I64, I64, P, P, P, P, I64, P, F32, I32, I32], None),
     "xl_decode_step_layer_fields": ([], I64),
 }
 

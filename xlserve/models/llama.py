@@ -239,10 +239,11 @@ class DecoderModel(nn.Module):
 
     def _decode_portable(self, cos_sin, x, meta):
         """Every layer of a decode step in one call of the portable kernels (``decode_step.c``):
-        the eager path's bits, without ~120 kernel calls from Python per token."""
+        the eager path's bits, without ~120 kernel calls from Python per token. ``x``, the
+        embedding's fresh output, is updated in place."""
         first = self.layers[0]
         attn = first.self_attn
-        x = x.contiguous().clone()
+        x = x.contiguous()
         decode_step.decode_step_(portable_library.kernels(), x, self.step_table(), first.input_layernorm.eps,
                                  attn.num_heads, attn.num_kv_heads, attn.head_dim, first.mlp.down_proj.weight.shape[1],
                                  *cos_sin, meta.slot_mapping, meta.decode_slots, meta.decode_lens,
