@@ -130,7 +130,6 @@ class QuantizedWeight:
         """Rows ``ids`` (any shape) dequantized to float32: [*ids.shape, K]."""
         k = self.shape[1]
         flat = ids.reshape(-1)
-        out = torch.empty(flat.numel(), k, dtype=torch.float32, device=ids.device)
         lib = portable_library.kernels() if ids.device.type == "cpu" else None
         whole = self.parts[0]
         if lib is not None and len(self.parts) == 1 and whole.start == 0 and whole.qtype is not None and flat.numel():
@@ -138,6 +137,7 @@ class QuantizedWeight:
             lowest, highest = torch.aminmax(flat)
             if 0 <= int(lowest) and int(highest) < whole.rows:
                 return quant_ops.dequantize_rows(lib, whole.qtype, whole.data, flat, k).reshape(*ids.shape, k)
+        out = torch.empty(flat.numel(), k, dtype=torch.float32, device=ids.device)
         for p in self.parts:
             inside = (flat >= p.start) & (flat < p.start + p.rows)
             local = flat[inside] - p.start
