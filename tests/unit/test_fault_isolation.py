@@ -180,3 +180,19 @@ def test_a_row_of_non_finite_logits_fails_only_its_request(llm):
     out = llm.engine.runner._sample(rows, scheduled)
     assert out.sampled == {"r0": [int(rows[0].argmax())]}
     assert set(out.errors) == {"r1", "r2"} and "non-finite logits" in out.errors["r1"]
+
+
+def test_greedy_tokens_are_the_first_maximum_and_flag_non_finite_rows():
+    """The CPU argmax (numpy) and the device one (torch max) agree: the first of equal maxima,
+    and a row holding NaN or +inf, or nothing but -inf, is not finite."""
+    from xlserve.engine.request_sampling import _greedy_tokens
+    rows = torch.randn(6, 50)
+    rows[0, [3, 17]] = 9.0  # a tie: the first wins
+    rows[1, 40] = float("nan")
+    rows[2, 2] = float("inf")
+    rows[3] = float("-inf")
+    rows[4, 11] = -float("inf")
+    tokens, finite = _greedy_tokens(rows)
+    assert tokens[0] == 3 and tokens[1] == 40 and tokens[2] == 2 and tokens[3] == 0
+    assert finite == [True, False, False, False, True, True]
+    assert (tokens, finite) == (rows.max(-1).indices.tolist(), torch.isfinite(rows.max(-1).values).tolist())
