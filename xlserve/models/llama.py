@@ -217,13 +217,14 @@ class DecoderModel(nn.Module):
 
     def _decode_in_one_call(self, cos_sin, x, meta):
         """Every layer of a decode step in one C call: the per-layer kernel chained in C, so
-        Python runs once per step instead of once per layer."""
+        Python runs once per step instead of once per layer. ``x``, the embedding's fresh
+        output, is updated in place (as ``_decode_portable`` does)."""
         if self.layer_addresses is None:
             self.layer_addresses = torch.tensor([layer.kernel_addresses() for layer in self.layers],
                                                 dtype=torch.int64)
         first = self.layers[0]
         attn = first.self_attn
-        x = x.contiguous().clone()
+        x = x.contiguous()
         cpu_ops.decode_layers_(x, self.layer_addresses, first.input_layernorm.eps, attn.num_heads,
                                attn.num_kv_heads, attn.head_dim, first.mlp.down_proj.weight.shape[1], *cos_sin,
                                meta.slot_mapping, meta.decode_slots, meta.decode_lens)
