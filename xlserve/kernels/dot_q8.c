@@ -4,17 +4,17 @@
  *   x block -> d = max|x| / 127 (stored as float16), q = round(x * 127 / max|x|), s = d * sum(q)
  *   w.x     = sum over blocks of  d_w * d_x * (q_w . q_x)   (+ m_w * s_x for Q4_1)
  *
- * q_w . q_x is an exact integer: one vpdpbusd per 32 products on CPUs with AVX512-VNNI,
- * vpmaddubsw + vpmaddwd elsewhere (AVX2). The price is the activations' rounding: results
- * are within bf16's error of the dequantized weights' (tested), not fp32's. Asked for with
- * --int8-activations. Speed against the fp32-activation path (gemm_quant.c) depends on the
- * CPU: on an AVX2 machine 0.115 vs 0.224 ms for a 3072 x 1024 Q4_1 weight; on a 2-core
- * Zen 4 EPYC, 30 layers of the default model's gate/up shape (92160 x 576 Q4_1), minimum of
- * 21 interleaved runs: 1 row 2.12 ms (VNNI) / 2.99 (AVX2 path) / 2.24 (fp32), 4 rows
- * 5.17 / 7.23 / 3.89, 32 rows 40.4 / 55.6 / 26.3 — there fp32 activations stay the faster.
+ * q_w . q_x is an exact integer: vpdpbusd on CPUs with AVX512-VNNI, vpmaddubsw + vpmaddwd
+ * elsewhere (AVX2). The price is the activations' rounding: results are within bf16's error of
+ * the dequantized weights' (tested), not fp32's. Asked for with --int8-activations. Against
+ * the fp32-activation path (gemm_quant.c), 30 layers of the default model's Q4_1 shapes, 2-core
+ * Zen 4 EPYC, in one process, minimum of 5: 1 row 2.43 vs 3.43 ms, 32 rows 29.3 vs 38.0, 128
+ * rows 113 vs 141 (the 256-bit VNNI kernel before this one: 2.93, 47.1 at 32 rows, slower
+ * than fp32 from 4 rows); on an AVX2 machine 0.115 vs 0.224 ms for a 3072 x 1024 Q4_1 weight.
  *
  * Batch invariance: a row's activations are quantized alone, and each output accumulates its
- * blocks in order into 8 fp32 lanes summed in a fixed order, whatever M, the tile or the thread.
+ * blocks in order into fixed fp32 lanes (16 with AVX512-VNNI, 8 on AVX2) summed in a fixed
+ * order, whatever M, the tile or the thread.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -23,13 +23,211 @@
 #include "quant_blocks.h"
 #include "vec_portable.h"
 
+int xl_q8_handles(int type) { return type == Q4_0 || type == Q4_1 || type == Q8_0; }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* AVX512-VNNI, 512 bits wide: vpdpbusd multiplies 64 unsigned weight bytes by 64 signed
+ * activation bytes into 16 int32 lanes, each the exact sum of 4 products. A group is 4
+ * blocks: the 4-bit formats' low nibbles (values 0-15 of the 4 blocks) in one register and
+ * their high nibbles (values 16-31) in another, two vpdpbusd, so lane l holds an exact
+ * integer part of block l / 4's dot; Q8_0's values are two blocks a register (lane l of a
+ * register: block l / 8). Each register of lanes then takes one conversion and one FMA with
+ * its lanes' d_w * d_x, and Q4_1 one more with m_w * s_x. A weight group is unpacked once for
+ * up to ROWS_MAX activation rows.
+ *
+ * Activations (quantize_row): per group, the bytes in the order the weight registers hold
+ * them, each lane's d_x, Q4_1's s_x (in the block's first lane, zero in the others), and the
+ * offset that makes the unsigned operand signed: Q4_0 multiplies q_w (0..15) and subtracts 8
+ * times the lane's activation sum, Q8_0 multiplies q_w + 128 and subtracts 128 times it; the
+ * offset is the initial value of the lane, so it costs nothing.
+ *
+ * Batch invariance: every output (weight row, activation row) sees the same operations in
+ * the same order whatever M, the tile or the thread: exact integer lanes, then per group the
+ * same conversions and FMAs into one accumulator of 16 lanes, summed in a fixed order. */
+#define GROUP 4
+#define ROWS_MAX 4 /* activation rows a weight group is unpacked for; 8 measured 2-5% slower at 4-128 rows */
+#ifndef N_TILE
+#define N_TILE 64
+#endif
+
+typedef struct {
+  int8_t x[128];    /* Q4: values 0-15 of blocks 0-3, then 16-31; Q8_0: blocks 0-1, then 2-3 */
+  float dx[32];     /* Q4: lanes 0-15 (block l / 4); Q8_0: register s's lanes at 16 s (block 2 s + l / 8) */
+  float sx[16];     /* Q4_1: d * sum of block b in lane 4 b, zero elsewhere */
+  int32_t init[32]; /* Q4_0: -8, Q8_0: -128 times the sum of the activations each lane multiplies */
+} act_group;
+
+/* Lane sums of ``values`` (int8, 4 per lane), ``lanes`` of them, times ``scale``. */
+static inline void lane_offsets(const int8_t* values, int lanes, int scale, int32_t* out) {
+  for (int l = 0; l < lanes; ++l) out[l] = scale * (values[4 * l] + values[4 * l + 1] + values[4 * l + 2] + values[4 * l + 3]);
+}
+
+/* One row of K values into groups (zeros past the last block), llama.cpp's rounding: d =
+ * max|x| / 127, q = round-to-nearest-even(x * 127 / max|x|), d and d * sum(q) as float16. */
+static void quantize_row(int type, const float* x, int64_t blocks, act_group* groups) {
+  memset(groups, 0, sizeof(act_group) * (size_t)((blocks + GROUP - 1) / GROUP));
+  for (int64_t b = 0; b < blocks; ++b) {
+    act_group* g = groups + b / GROUP;
+    const int j = (int)(b % GROUP);
+    const __m512 v0 = _mm512_loadu_ps(x + 32 * b), v1 = _mm512_loadu_ps(x + 32 * b + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+    const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    int8_t* lo = type == Q8_0 ? g->x + 64 * (j / 2) + 32 * (j % 2) : g->x + 16 * j;
+    int8_t* hi = type == Q8_0 ? lo + 16 : lo + 64;
+    _mm_storeu_si128((__m128i*)lo, _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128((__m128i*)hi, _mm512_cvtepi32_epi8(q1));
+    const float dh = half_round(d);
+    if (type == Q8_0) {
+      const int at = 16 * (j / 2) + 8 * (j % 2);
+      for (int l = 0; l < 8; ++l) g->dx[at + l] = dh;
+      lane_offsets(lo, 8, -128, g->init + at);
+      continue;
+    }
+    for (int l = 0; l < 4; ++l) g->dx[4 * j + l] = dh;
+    if (type == Q4_1) g->sx[4 * j] = half_round(d * (float)sum);
+    if (type == Q4_0) {
+      int32_t lo_sums[4], hi_sums[4];
+      lane_offsets(lo, 4, -8, lo_sums), lane_offsets(hi, 4, -8, hi_sums);
+      for (int l = 0; l < 4; ++l) g->init[4 * j + l] = lo_sums[l] + hi_sums[l];
+    }
+  }
+}
+
+/* A weight group of ``nb`` (1..4) blocks: the unsigned operands u (2 registers for the 4-bit
+ * formats, 2 for Q8_0), each register's lane scales dw, and Q4_1's mins in the blocks' first
+ * lanes. Nothing past the group's last block is read. */
+typedef struct {
+  __m512i u[2];
+  __m512 dw[2], mw;
+} weight_group;
+
+static inline __attribute__((always_inline)) weight_group unpack_group(int type, const uint8_t* blk, int bytes, int nb) {
+  weight_group g;
+  const int64_t length = (int64_t)nb * bytes;
+  const __m512i head = _mm512_maskz_loadu_epi8(length >= 64 ? ~0ULL : (1ULL << length) - 1, blk);
+  if (type == Q8_0) {
+    __m256i v[GROUP];
+    for (int j = 0; j < GROUP; ++j)
+      v[j] = j < nb ? _mm256_loadu_si256((const __m256i*)(blk + j * bytes + 2)) : _mm256_setzero_si256();
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    g.u[0] = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v[0]), v[1], 1), flip);
+    g.u[1] = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v[2]), v[3], 1), flip);
+    const int64_t rest = length - 64; /* d of blocks 2 and 3 sit past the first 64 bytes */
+    const __m512i tail = _mm512_maskz_loadu_epi8(rest <= 0 ? 0 : rest >= 64 ? ~0ULL : (1ULL << rest) - 1, blk + 64);
+    const __m512i d = _mm512_permutex2var_epi16(
+        head, _mm512_set_epi16(51, 51, 51, 51, 51, 51, 51, 51, 34, 34, 34, 34, 34, 34, 34, 34, 17, 17, 17, 17, 17, 17,
+                               17, 17, 0, 0, 0, 0, 0, 0, 0, 0), tail);
+    g.dw[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(d));
+    g.dw[1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(d, 1));
+    g.mw = _mm512_setzero_ps();
+    return g;
+  }
+  const int off = type == Q4_1 ? 4 : 2;
+  __m128i q[GROUP];
+  for (int j = 0; j < GROUP; ++j)
+    q[j] = j < nb ? _mm_loadu_si128((const __m128i*)(blk + j * bytes + off)) : _mm_setzero_si128();
+  const __m512i v = _mm512_inserti32x4(
+      _mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(q[0]), q[1], 1), q[2], 2), q[3], 3);
+  const __m512i low4 = _mm512_set1_epi8(15);
+  g.u[0] = _mm512_and_si512(v, low4);
+  g.u[1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+  /* the scales' float16 words: d of block j at word j * bytes / 2, Q4_1's m one word later */
+  const short s = (short)(bytes / 2);
+  const __m512i dm = _mm512_maskz_permutexvar_epi16(
+      0x1111FFFF, _mm512_set_epi16(0, 0, 0, 3 * s + 1, 0, 0, 0, 2 * s + 1, 0, 0, 0, s + 1, 0, 0, 0, 1, 3 * s, 3 * s,
+                                   3 * s, 3 * s, 2 * s, 2 * s, 2 * s, 2 * s, s, s, s, s, 0, 0, 0, 0),
+      head);
+  g.dw[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(dm));
+  g.dw[1] = _mm512_setzero_ps();
+  g.mw = type == Q4_1 ? _mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1)) : _mm512_setzero_ps();
+  return g;
+}
+
+/* One weight group against one activation row's group: into ``acc``. */
+static inline __attribute__((always_inline)) __m512 group_dot(int type, const weight_group* w, const act_group* a,
+                                                             __m512 acc) {
+  if (type == Q8_0) {
+    for (int s = 0; s < 2; ++s) {
+      const __m512i dots = _mm512_dpbusd_epi32(_mm512_loadu_si512(a->init + 16 * s), w->u[s],
+                                               _mm512_loadu_si512(a->x + 64 * s));
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(w->dw[s], _mm512_loadu_ps(a->dx + 16 * s)), acc);
+    }
+    return acc;
+  }
+  const __m512i init = type == Q4_0 ? _mm512_loadu_si512(a->init) : _mm512_setzero_si512();
+  const __m512i dots = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(init, w->u[0], _mm512_loadu_si512(a->x)), w->u[1],
+                                           _mm512_loadu_si512(a->x + 64));
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(w->dw[0], _mm512_loadu_ps(a->dx)), acc);
+  return type == Q4_1 ? _mm512_fmadd_ps(w->mw, _mm512_loadu_ps(a->sx), acc) : acc;
+}
+
+/* One weight row ``w`` against MR activation rows (``a``, ``groups`` apart): out[i * ldo]. */
+static inline __attribute__((always_inline)) void row_dot(int type, int MR, const uint8_t* w, const act_group* a,
+                                                         int64_t blocks, int64_t groups, float* out, int64_t ldo) {
+  const int bytes = type == Q8_0 ? 34 : type == Q4_0 ? 18 : 20;
+  __m512 acc[ROWS_MAX];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* blk = w + g * GROUP * bytes;
+    prefetch_ahead(blk), prefetch_ahead(blk + 64);
+    const int nb = blocks - g * GROUP < GROUP ? (int)(blocks - g * GROUP) : GROUP;
+    const weight_group wg = nb == GROUP ? unpack_group(type, blk, bytes, GROUP) : unpack_group(type, blk, bytes, nb);
+    for (int i = 0; i < MR; ++i) acc[i] = group_dot(type, &wg, a + i * groups + g, acc[i]);
+  }
+  for (int i = 0; i < MR; ++i) out[i * ldo] = _mm512_reduce_add_ps(acc[i]);
+}
+
+#define ROW_DOT_CASE(R) \
+  case R: row_dot(type, R, w, a, blocks, groups, out, ldo); break;
+
+static inline __attribute__((always_inline)) void rows_dot(int type, int rows, const uint8_t* w, const act_group* a,
+                                                          int64_t blocks, int64_t groups, float* out, int64_t ldo) {
+  switch (rows) {
+    ROW_DOT_CASE(1) ROW_DOT_CASE(2) ROW_DOT_CASE(3) default: row_dot(type, 4, w, a, blocks, groups, out, ldo);
+  }
+}
+
+/* Weight rows in chunks of about N_TILE, an equal number of chunks per thread; each chunk
+ * against every activation row, ROWS_MAX at a time, so the chunk stays in cache while the
+ * activation rows go by. */
+static inline __attribute__((always_inline)) void rows_of(int type, const uint8_t* w, int64_t row_bytes,
+                                                         const act_group* a, int64_t M, int64_t N, int64_t blocks,
+                                                         float* out, int64_t ldo, int threads) {
+  const int64_t groups = (blocks + GROUP - 1) / GROUP;
+  const int64_t chunks = threads * ((N + threads * N_TILE - 1) / (threads * N_TILE)), per = (N + chunks - 1) / chunks;
+#pragma omp for schedule(static)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t n1 = (c + 1) * per < N ? (c + 1) * per : N;
+    for (int64_t m = 0; m < M; m += ROWS_MAX)
+      for (int64_t n = c * per; n < n1; ++n)
+        rows_dot(type, M - m < ROWS_MAX ? (int)(M - m) : ROWS_MAX, w + n * row_bytes, a + m * groups, blocks, groups,
+                 out + m * ldo + n, ldo);
+  }
+}
+
+void xl_linear_q8(int type, const float* x, const uint8_t* w, int64_t row_bytes, float* out, int64_t M, int64_t N,
+                  int64_t K, int64_t ldo, int threads) {
+  const int64_t blocks = K / 32, groups = (blocks + GROUP - 1) / GROUP;
+  act_group* a = (act_group*)aligned_alloc(64, sizeof(act_group) * (size_t)(M * groups));
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; ++m) quantize_row(type, x + m * K, blocks, a + m * groups);
+    if (type == Q4_1) rows_of(Q4_1, w, row_bytes, a, M, N, blocks, out, ldo, threads);
+    else if (type == Q4_0) rows_of(Q4_0, w, row_bytes, a, M, N, blocks, out, ldo, threads);
+    else rows_of(Q8_0, w, row_bytes, a, M, N, blocks, out, ldo, threads);
+  }
+  free(a);
+}
+#else
 #define NR 4 /* weight rows per tile: independent accumulation chains */
 
 typedef struct {
   float d, s; /* block scale and d * sum(q), each rounded to float16 as ggml stores them */
 } act_block;
-
-int xl_q8_handles(int type) { return type == Q4_0 || type == Q4_1 || type == Q8_0; }
 
 /* One block of 32 values into int8 (round to nearest even, as llama.cpp's AVX2
  * quantize_row_q8_1 does): its scale and d * sum; returns the integer sum. */
@@ -48,192 +246,6 @@ static int quantize_block(const float* v, int8_t* q, act_block* block) {
   return sum;
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-/* AVX512-VNNI: vpdpbusd multiplies 32 unsigned weight bytes by 32 signed activation bytes
- * and adds them into 8 int32 lanes in one instruction, and the scales go 8 blocks at a time.
- * A group of 8 blocks leaves 8 exact integer dots (one per block, in block order), which
- * are converted, scaled by d_w * d_x and accumulated in 8 fp32 lanes, one group after the
- * other; the lanes are summed in a fixed order at the end. The AVX2 path below converts and
- * scales every block alone, with scalar float16 conversions and a scalar chain for Q4_1's
- * mins, which is what made --int8-activations slower than fp32 activations on a Zen 5.
- *
- * Activation layout (what quantize_rows writes): per row, blocks padded to a multiple of 8
- * with zeros; for the 4-bit formats each pair of blocks (2p, 2p+1) is stored as its values
- * 0-15 of both, then 16-31 of both, the order in which one 32-byte load of the pair's two
- * nibble runs splits into low and high nibbles; Q8_0's blocks stay in order. Per block the
- * scale d, d * sum (both rounded to float16, as ggml stores them) and the integer sum (Q4_0
- * and Q8_0 subtract 8 and 128 times it: the weight bytes enter vpdpbusd offset to unsigned). */
-#define GROUP 8
-
-typedef struct {
-  int8_t* q;    /* [M][padded * 32] */
-  float* d;     /* [M][padded] */
-  float* s;     /* [M][padded] */
-  int32_t* sum; /* [M][padded] */
-  int64_t padded;
-} act_rows;
-
-static void quantize_rows(int type, const float* x, int64_t M, int64_t K, act_rows* a, int threads) {
-  const int64_t blocks = K / 32;
-  a->padded = (blocks + GROUP - 1) / GROUP * GROUP;
-  a->q = (int8_t*)calloc((size_t)(M * a->padded * 32), 1);
-  a->d = (float*)calloc((size_t)(M * a->padded), sizeof(float));
-  a->s = (float*)calloc((size_t)(M * a->padded), sizeof(float));
-  a->sum = (int32_t*)calloc((size_t)(M * a->padded), sizeof(int32_t));
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t m = 0; m < M; ++m) {
-    int8_t q[32];
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t i = m * a->padded + b;
-      act_block blk;
-      a->sum[i] = quantize_block(x + m * K + 32 * b, q, &blk);
-      a->d[i] = blk.d, a->s[i] = blk.s;
-      int8_t* out = a->q + m * a->padded * 32;
-      if (type == Q8_0) {
-        memcpy(out + 32 * b, q, 32);
-      } else { /* pair p = b / 2: [lows of 2p | lows of 2p+1 | highs of 2p | highs of 2p+1] */
-        int8_t* pair = out + 64 * (b / 2) + 16 * (b & 1);
-        memcpy(pair, q, 16);
-        memcpy(pair + 32, q + 16, 16);
-      }
-    }
-  }
-}
-
-static void free_rows(act_rows* a) { free(a->q), free(a->d), free(a->s), free(a->sum); }
-
-/* 8 vectors of 8 int32 lanes -> the 8 vectors' sums, in order (exact: integers). */
-static inline __m256i sum8(const __m256i* v) {
-  const __m256i h0123 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-  const __m256i h4567 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-  return _mm256_add_epi32(_mm256_permute2x128_si256(h0123, h4567, 0x20),
-                          _mm256_permute2x128_si256(h0123, h4567, 0x31));
-}
-
-/* A group's ``nb`` (1..8) weight blocks from ``w`` (``bytes`` apart, ``off`` to the values)
- * as vpdpbusd's unsigned operand: Q8_0's 8 blocks offset by 128; the 4-bit formats' 4 pairs
- * of blocks as their low nibbles (wv[p]) and high ones (wv[4 + p]). Blocks past ``nb`` are
- * zeros and never read. */
-static inline __attribute__((always_inline)) void unpack_group(int type, const uint8_t* w, int bytes, int off, int nb,
-                                                               __m256i* wv) {
-  if (type == Q8_0) {
-    for (int j = 0; j < GROUP; ++j)
-      wv[j] = j < nb ? _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + j * bytes + off)),
-                                        _mm256_set1_epi8((char)0x80))
-                     : _mm256_setzero_si256();
-    return;
-  }
-  const __m256i low4 = _mm256_set1_epi8(15);
-  for (int p = 0; p < GROUP / 2; ++p) {
-    const int b = 2 * p;
-    const __m128i lo = b < nb ? _mm_loadu_si128((const __m128i*)(w + b * bytes + off)) : _mm_setzero_si128();
-    const __m128i hi = b + 1 < nb ? _mm_loadu_si128((const __m128i*)(w + (b + 1) * bytes + off)) : _mm_setzero_si128();
-    const __m256i both = _mm256_set_m128i(hi, lo);
-    wv[p] = _mm256_and_si256(both, low4);
-    wv[GROUP / 2 + p] = _mm256_and_si256(_mm256_srli_epi16(both, 4), low4);
-  }
-}
-
-/* The group's 8 integer dots (one per block, in block order) against activations ``q``. */
-static inline __attribute__((always_inline)) __m256i group_dots(int type, const __m256i* wv, const int8_t* q) {
-  if (type == Q8_0) {
-    __m256i v[GROUP];
-    for (int j = 0; j < GROUP; ++j)
-      v[j] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv[j], _mm256_loadu_si256((const __m256i*)(q + 32 * j)));
-    return sum8(v);
-  }
-  __m256i v[GROUP / 2];
-  for (int p = 0; p < GROUP / 2; ++p)
-    v[p] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), wv[p],
-                                                   _mm256_loadu_si256((const __m256i*)(q + 64 * p))),
-                               wv[GROUP / 2 + p], _mm256_loadu_si256((const __m256i*)(q + 64 * p + 32)));
-  /* lanes 0-3 of v[p] are block 2p's, 4-7 block 2p+1's: two hadds give [0 2 4 6 | 1 3 5 7] */
-  const __m256i r = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-  return _mm256_permutevar8x32_epi32(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
-
-/* The first 4 bytes of each of a group's ``nb`` blocks (d, and m for Q4_1), one per lane.
- * Neither vpgatherdd nor a store of 8 words read back as a vector: on a Zen 4 each stalled
- * this loop (a quarter of its samples on the first consumer); inserts in registers do not. */
-static inline uint32_t word_at(const uint8_t* p, int valid) {
-  uint32_t w = 0;
-  if (valid) memcpy(&w, p, 4);
-  return w;
-}
-
-static inline __attribute__((always_inline)) __m256i scale_words(const uint8_t* blk, int bytes, int nb) {
-  return _mm256_setr_epi32((int)word_at(blk, 1), (int)word_at(blk + bytes, nb > 1), (int)word_at(blk + 2 * bytes, nb > 2),
-                           (int)word_at(blk + 3 * bytes, nb > 3), (int)word_at(blk + 4 * bytes, nb > 4),
-                           (int)word_at(blk + 5 * bytes, nb > 5), (int)word_at(blk + 6 * bytes, nb > 6),
-                           (int)word_at(blk + 7 * bytes, nb > 7));
-}
-
-#define ROWS_MAX 4 /* activation rows per pass over a weight row: 2 x 4 accumulators + 8 weight vectors */
-
-/* One weight row ``w`` against activation rows m0..m0+MR-1 of ``a``: out[i * ldo]. Each group
- * is unpacked once for all MR rows; every output sees the same operations in the same order
- * whatever MR, so a row's result does not depend on the batch. */
-static inline __attribute__((always_inline)) void row_dot(int type, int MR, const uint8_t* w, const act_rows* a,
-                                                         int64_t m0, int64_t blocks, float* out, int64_t ldo) {
-  const int bytes = type == Q8_0 ? 34 : type == Q4_0 ? 18 : 20, off = type == Q4_1 ? 4 : 2;
-  const int64_t stride = a->padded;
-  __m256 acc[ROWS_MAX], mins[ROWS_MAX];
-  for (int i = 0; i < MR; ++i) acc[i] = mins[i] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < blocks; g += GROUP) {
-    const int nb = blocks - g < GROUP ? (int)(blocks - g) : GROUP;
-    const uint8_t* blk = w + g * bytes;
-    for (int o = 0; o < GROUP * bytes; o += 64) prefetch_ahead(blk + o);
-    const __m256i dm = scale_words(blk, bytes, nb);
-    const __m256 d_w = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(dm));
-    const __m256 m_w = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(dm, 16)));
-    __m256i wv[GROUP];
-    unpack_group(type, blk, bytes, off, nb, wv);
-    for (int i = 0; i < MR; ++i) {
-      const int64_t row = (m0 + i) * stride + g;
-      __m256i dots = group_dots(type, wv, a->q + row * 32);
-      if (type != Q4_1)
-        dots = _mm256_sub_epi32(dots, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(a->sum + row)),
-                                                        type == Q8_0 ? 7 : 3));
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(d_w, _mm256_loadu_ps(a->d + row)), acc[i]);
-      if (type == Q4_1) mins[i] = _mm256_fmadd_ps(m_w, _mm256_loadu_ps(a->s + row), mins[i]);
-    }
-  }
-  for (int i = 0; i < MR; ++i) out[i * ldo] = hsum256(acc[i]) + (type == Q4_1 ? hsum256(mins[i]) : 0.0f);
-}
-
-static inline __attribute__((always_inline)) void rows_dot(int type, const uint8_t* w, const act_rows* a, int64_t M,
-                                                          int64_t blocks, float* out, int64_t ldo) {
-  for (int64_t m = 0; m < M; m += ROWS_MAX) {
-    switch (M - m < ROWS_MAX ? M - m : ROWS_MAX) {
-      case 1: row_dot(type, 1, w, a, m, blocks, out + m * ldo, ldo); break;
-      case 2: row_dot(type, 2, w, a, m, blocks, out + m * ldo, ldo); break;
-      case 3: row_dot(type, 3, w, a, m, blocks, out + m * ldo, ldo); break;
-      default: row_dot(type, 4, w, a, m, blocks, out + m * ldo, ldo); break;
-    }
-  }
-}
-
-static inline __attribute__((always_inline)) void tiles_of(int type, const uint8_t* w, int64_t row_bytes,
-                                                          const act_rows* a, int64_t blocks, float* out, int64_t M,
-                                                          int64_t N, int64_t ldo, int64_t tiles, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t n0 = t * NR, n1 = n0 + NR < N ? n0 + NR : N;
-    for (int64_t n = n0; n < n1; ++n) rows_dot(type, w + n * row_bytes, a, M, blocks, out + n, ldo);
-  }
-}
-
-void xl_linear_q8(int type, const float* x, const uint8_t* w, int64_t row_bytes, float* out, int64_t M, int64_t N,
-                  int64_t K, int64_t ldo, int threads) {
-  const int64_t blocks = K / 32, tiles = (N + NR - 1) / NR;
-  act_rows a;
-  quantize_rows(type, x, M, K, &a, threads);
-  if (type == Q4_1) tiles_of(Q4_1, w, row_bytes, &a, blocks, out, M, N, ldo, tiles, threads);
-  else if (type == Q4_0) tiles_of(Q4_0, w, row_bytes, &a, blocks, out, M, N, ldo, tiles, threads);
-  else tiles_of(Q8_0, w, row_bytes, &a, blocks, out, M, N, ldo, tiles, threads);
-  free_rows(&a);
-}
-#else
 /* One row of K values (a multiple of 32) into int8 blocks. */
 static void quantize_row(const float* x, int64_t K, int8_t* q, act_block* blocks) {
   for (int64_t b = 0; b < K / 32; ++b) quantize_block(x + 32 * b, q + 32 * b, &blocks[b]);
