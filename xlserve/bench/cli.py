@@ -96,6 +96,9 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--repeats", type=int, default=3, help="runs of every setup, alternating")
     s.add_argument("--max-tokens", type=int, default=64, help="tokens per answer at most")
     s.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
+    s.add_argument("--int8-activations", action="store_true",
+                   help="every setup multiplies kept Q4_0 / Q4_1 / Q8_0 weights by 8-bit activations, as "
+                        "llama.cpp does")
     s.add_argument("--out", default="bench-spec.json", help="where to write the JSON results")
     s.add_argument("--png", default="", help="also write a chart here")
     s.set_defaults(func=cmd_bench_spec)
@@ -229,7 +232,8 @@ def cmd_bench_spec(args) -> int:
         except ImportError:
             raise SystemExit("--png needs matplotlib: pip install -e '.[peers]'") from None
     results = run_spec_bench(SpecBenchOptions(model=args.model, methods=methods, repeats=args.repeats,
-                                              max_tokens=args.max_tokens, dtype=args.dtype))
+                                              max_tokens=args.max_tokens, dtype=args.dtype,
+                                              int8_activations=args.int8_activations))
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
     if args.png:

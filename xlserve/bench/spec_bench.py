@@ -39,6 +39,7 @@ class SpecBenchOptions:
     repeats: int = 3
     max_tokens: int = 64
     dtype: str = "auto"
+    int8_activations: bool = False  # kept Q4_0 / Q4_1 / Q8_0 weights: llama.cpp's 8-bit activations
     batches: tuple[int, ...] = (1, 8)
     prompts: int = 8  # per workload (at most 8)
 
@@ -102,7 +103,8 @@ def measure(engine, prompts: list[list[int]], batch: int, max_tokens: int, guide
 
 def run_spec_bench(opts: SpecBenchOptions) -> dict:
     from xlserve import LLM
-    llms = {m: LLM(opts.model, dtype=opts.dtype, speculative=m) for m in opts.methods}
+    llms = {m: LLM(opts.model, dtype=opts.dtype, speculative=m, int8_activations=opts.int8_activations)
+            for m in opts.methods}
     try:
         tokenizer = next(iter(llms.values())).tokenizer
         prompts = workloads(tokenizer, opts.prompts)
@@ -120,6 +122,7 @@ def run_spec_bench(opts: SpecBenchOptions) -> dict:
         for llm in llms.values():
             llm.close()
     return {"model": opts.model, "repeats": opts.repeats, "max_tokens": opts.max_tokens,
+            "int8_activations": opts.int8_activations,
             "summary": {w: {b: summarize(r) for b, r in by_batch.items()} for w, by_batch in runs.items()}}
 
 
