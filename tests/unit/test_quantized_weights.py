@@ -76,10 +76,10 @@ def test_a_row_that_is_not_whole_blocks_is_refused():
 @pytest.mark.parametrize("qtype", list(BlockType))
 @pytest.mark.parametrize("eight_bit", [False, True], ids=["fp32-activations", "int8-activations"])
 def test_kernel_dequantizes_exactly_and_multiplies_within_tolerance(isa, qtype, eight_bit):
-    """Exact dequantized values; products within fp32 rounding of the exact product, or bf16's
-    with 8-bit activations (Q4_0, Q4_1, Q8_0, as llama.cpp computes them), for 1 to 64 rows
-    (register, tile and integer paths); a row's result the same bits whatever else is in the
-    batch."""
+    """Exact dequantized values; products within fp32 rounding of the exact product, or, with
+    8-bit activations (Q4_0, Q4_1, Q8_0, as llama.cpp computes them), of the scheme's own
+    product, itself within bf16's error of the exact one; for 1 to 64 rows (register, tile
+    and integer paths); a row's result the same bits whatever else is in the batch."""
     lib = portable_library.library(isa)
     # a last tile of one row; for the 32-value formats 49 blocks (the VNNI path's groups of 4
     # end in a group of one, and the Q4_1 register path's scales come in two chunks of blocks:
@@ -89,23 +89,17 @@ def test_kernel_dequantizes_exactly_and_multiplies_within_tolerance(isa, qtype, 
 
 
 def check_kernel_rows(lib, qtype: BlockType, eight_bit: bool, n: int, k: int) -> None:
-    """Against the dequantized weights within bf16's error (8-bit activations: a statistical
-    bound, so over many blocks only) and, for 8-bit activations, against the scheme itself
-    computed in float64 within fp32 rounding."""
     data = random_rows(qtype, n, k, seed=int(qtype))
     ref = reference(qtype, data, k)
     ids = torch.tensor([5, 0, 36, 5])
     assert torch.equal(quant_ops.dequantize_rows(lib, qtype, data, ids, k), ref[ids])
     x = torch.randn(64, k)
-    expected = x.double() @ ref.double().T
-    magnitude = x.double().abs() @ ref.double().abs().T
-    tolerance = 1e-6
+    expected, magnitude, tolerance = x.double() @ ref.double().T, x.double().abs() @ ref.double().abs().T, 1e-6
     if eight_bit and qtype in EIGHT_BIT_ACTIVATIONS:
-        expected, magnitude = eight_bit_reference(qtype, data, x)
-        tolerance = 2 ** -20
-        if k >= 1024:
-            statistical = x.double() @ ref.double().T
-            assert ((expected - statistical).abs() <= 2 ** -8 * (x.double().abs() @ ref.double().abs().T)).all()
+        scheme, sizes = eight_bit_reference(qtype, data, x)
+        if k >= 1024:  # the rounding errors of many blocks average out
+            assert ((scheme - expected).abs() <= 2 ** -8 * magnitude).all()
+        expected, magnitude, tolerance = scheme, sizes, 2 ** -20
     alone = None
     for m in (1, 2, 3, 4, 5, 8, 17, 64):
         out = torch.full((m, n + 3), float("nan"))
