@@ -25,6 +25,9 @@
 
 int xl_q8_handles(int type) { return type == Q4_0 || type == Q4_1 || type == Q8_0; }
 
+/* Bytes of one block of a type xl_q8_handles takes. */
+static inline int block_bytes(int type) { return type == Q8_0 ? 34 : type == Q4_0 ? 18 : 20; }
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 /* AVX512-VNNI, 512 bits wide: vpdpbusd multiplies 64 unsigned weight bytes by 64 signed
  * activation bytes into 16 int32 lanes, each the exact sum of 4 products. A group is 4
@@ -46,9 +49,7 @@ int xl_q8_handles(int type) { return type == Q4_0 || type == Q4_1 || type == Q8_
  * same conversions and FMAs into one accumulator of 16 lanes, summed in a fixed order. */
 #define GROUP 4
 #define ROWS_MAX 4 /* activation rows a weight group is unpacked for; 8 measured 2-5% slower at 4-128 rows */
-#ifndef N_TILE
-#define N_TILE 64
-#endif
+#define N_TILE 64 /* weight rows a chunk; 16 measured 3-5% slower at 32-128 rows, 256 the same */
 
 typedef struct {
   int8_t x[128];    /* Q4: values 0-15 of blocks 0-3, then 16-31; Q8_0: blocks 0-1, then 2-3 */
@@ -59,7 +60,8 @@ typedef struct {
 
 /* Lane sums of ``values`` (int8, 4 per lane), ``lanes`` of them, times ``scale``. */
 static inline void lane_offsets(const int8_t* values, int lanes, int scale, int32_t* out) {
-  for (int l = 0; l < lanes; ++l) out[l] = scale * (values[4 * l] + values[4 * l + 1] + values[4 * l + 2] + values[4 * l + 3]);
+  for (int l = 0; l < lanes; ++l)
+    out[l] = scale * (values[4 * l] + values[4 * l + 1] + values[4 * l + 2] + values[4 * l + 3]);
 }
 
 /* One row of K values into groups (zeros past the last block), llama.cpp's rounding: d =
@@ -96,8 +98,8 @@ static void quantize_row(int type, const float* x, int64_t blocks, act_group* gr
   }
 }
 
-/* A weight group of ``nb`` (1..4) blocks: the unsigned operands u (2 registers for the 4-bit
- * formats, 2 for Q8_0), each register's lane scales dw, and Q4_1's mins in the blocks' first
+/* A weight group of ``nb`` (1..4) blocks: the unsigned operands u (two registers: the 4-bit
+ * formats' low and high nibbles, or Q8_0's blocks 0-1 and 2-3), each register's lane scales dw, and Q4_1's mins in the blocks' first
  * lanes. Nothing past the group's last block is read. */
 typedef struct {
   __m512i u[2];
@@ -167,7 +169,7 @@ static inline __attribute__((always_inline)) __m512 group_dot(int type, const we
 /* One weight row ``w`` against MR activation rows (``a``, ``groups`` apart): out[i * ldo]. */
 static inline __attribute__((always_inline)) void row_dot(int type, int MR, const uint8_t* w, const act_group* a,
                                                          int64_t blocks, int64_t groups, float* out, int64_t ldo) {
-  const int bytes = type == Q8_0 ? 34 : type == Q4_0 ? 18 : 20;
+  const int bytes = block_bytes(type);
   __m512 acc[ROWS_MAX];
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -276,7 +278,7 @@ static inline __attribute__((always_inline)) void tile_dot(int type, const uint8
   __m256 acc[NR];
   float mins[NR];
   for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps(), mins[r] = 0.0f;
-  const int bytes = type == Q8_0 ? 34 : type == Q4_0 ? 18 : 20;
+  const int bytes = block_bytes(type);
   for (int64_t b = 0; b < blocks; ++b) {
     const __m256i qx = _mm256_loadu_si256((const __m256i*)(xq + 32 * b));
     for (int r = 0; r < NR; ++r) {
