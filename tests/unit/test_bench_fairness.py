@@ -35,6 +35,20 @@ def test_each_llama_cpp_figure_is_its_better_flash_attention_setting():
     assert failed["decode_b1_tok_s"] == 55.0 and failed["flash_attn"] == {"decode_b1_tok_s": "off"}
 
 
+def test_llama_bench_figures_are_its_fastest_setting_each():
+    from xlserve.bench.llama_cpp_peer import fastest
+
+    def row(gen, prompt, flash, repack, rate):
+        return {"n_gen": gen, "n_prompt": prompt, "flash_attn": flash, "repack": repack, "avg_ts": rate}
+    rows = [row(128, 0, 0, True, 270.0), row(128, 0, 1, True, 297.0), row(128, 0, 1, False, 143.0),
+            row(0, 512, 1, False, 339.0), row(0, 512, 0, False, 310.0), row(0, 1000, 0, False, 280.0)]
+    best = fastest(rows, (512, 1000))
+    assert (best["decode_b1_tok_s"], best["prefill_512_tok_s"], best["prefill_1000_tok_s"]) == (297.0, 339.0, 280.0)
+    assert best["settings"]["decode_b1_tok_s"] == {"flash_attn": True, "repack": True}
+    assert best["settings"]["prefill_512_tok_s"] == {"flash_attn": True, "repack": False}
+    assert "prefill_4000_tok_s" not in fastest(rows, (4000,))  # a figure no setting measured stays absent
+
+
 def test_llama_cpp_kv_pool_is_f16_k_and_v_of_every_layer():
     from xlserve.bench.llama_cpp_peer import kv_bytes_per_token
     from xlserve.loader.model_source import resolve_model

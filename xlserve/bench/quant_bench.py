@@ -4,8 +4,9 @@ Setups, each in a fresh process, interleaved over ``--repeats`` rounds (medians 
 min-max spread reported): xlserve keeping the weights as stored with fp32 activations (the
 default), with ``--int8-activations``, and dequantized (``--quantization none``, also with
 ``--deterministic``: the cost of batch-invariant dense matmuls); llama.cpp's
-own ``llama-bench`` on the same file at its best (flash attention on and off, the faster
-counts per figure; its batch covers the prompt). Figures: batch-1 decode, a 512-token
+own ``llama-bench`` on the same file at its best (flash attention on and off, weights
+repacked for its fastest kernels and as stored, the fastest counts per figure; its batch
+covers the prompt). Figures: batch-1 decode, a 512-token
 prefill, 32 sequences decoding together (xlserve), peak resident memory (xlserve).
 """
 
