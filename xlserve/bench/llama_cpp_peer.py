@@ -87,14 +87,17 @@ class LlamaServerSystem(System):
     ids: greedy, ``ignore_eos``, no prompt cache unless the figure is the cache's."""
     name = "llama.cpp"
 
-    def __init__(self, gguf_path: str, threads: int, n_ctx: int, flash_attn: str, batch: int, slots: int):
+    def __init__(self, gguf_path: str, threads: int, n_ctx: int, flash_attn: str, batch: int, slots: int,
+                 repack: bool = True):
+        """``repack``: llama.cpp's default, its weights repacked for its fastest kernels (see
+        ``REPACK``); False keeps them as stored."""
         import httpx
 
         from xlserve.launcher import free_port
         port = free_port()
         args = [binary(), "-m", gguf_path, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
                 "-tb", str(threads), "-c", str(n_ctx), "-np", str(slots), "--kv-unified", "-b", str(batch),
-                "-ub", str(batch), "-fa", flash_attn, "--log-disable"]
+                "-ub", str(batch), "-fa", flash_attn, "--log-disable"] + ([] if repack else ["--no-repack"])
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=peer_env())
         self.pid, self.flash_attn = self.proc.pid, flash_attn
         self.client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=1800,
