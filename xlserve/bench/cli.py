@@ -107,8 +107,7 @@ def add_bench_parser(sub) -> None:
                                      "as stored (fp32 and 8-bit activations) and dequantized, beside llama.cpp's "
                                      "llama-bench at its best (flash attention on and off, weights repacked and as "
                                      "stored), each in a fresh process, interleaved over --repeats rounds: batch-1 "
-                                     "decode, 512-token prefill, 32 "
-                                     "sequences, peak RSS; medians and min-max.")
+                                     "decode, 512-token prefill, 32 sequences, peak RSS; medians and min-max.")
     q.add_argument("--model", default="default", help="a GGUF file (default: the shipped Q4_1 model)")
     q.add_argument("--threads", type=int, default=2, help="threads for every setup")
     q.add_argument("--repeats", type=int, default=3, help="rounds, every setup once per round")
