@@ -71,12 +71,9 @@ static void quantize_row(int type, const float* x, int64_t blocks, act_group* gr
   for (int64_t b = 0; b < blocks; ++b) {
     act_group* g = groups + b / GROUP;
     const int j = (int)(b % GROUP);
-    const __m512 v0 = _mm512_loadu_ps(x + 32 * b), v1 = _mm512_loadu_ps(x + 32 * b + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-    const float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
-    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
-    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
-    const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    __m512i q0, q1;
+    int sum;
+    const float d = quantize_block32(x + 32 * b, &q0, &q1, &sum);
     int8_t* lo = type == Q8_0 ? g->x + 64 * (j / 2) + 32 * (j % 2) : g->x + 16 * j;
     int8_t* hi = type == Q8_0 ? lo + 16 : lo + 64;
     _mm_storeu_si128((__m128i*)lo, _mm512_cvtepi32_epi8(q0));

@@ -97,7 +97,17 @@ static const block_kind* kind_of(int type) {
 /* out[n, :] = dequant(w row ids[n]) for n < count: an embedding lookup. */
 void xl_dequant_rows(int type, const uint8_t* w, int64_t row_bytes, const int64_t* ids, int64_t count, int64_t K,
                      float* out, int threads) {
-  const block_kind* k = kind_of(type);
+  const block_kind* k = kind_of(type & ~X16);
+  if (type & X16) { /* interleaved rows: each row gathered back into its blocks first */
+    uint8_t* rows = (uint8_t*)malloc((size_t)(count * row_bytes));
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < count; ++n) {
+      x16_row(type & ~X16, w, K / 32, ids[n], rows + n * row_bytes);
+      k->dequant_row(rows + n * row_bytes, K, out + n * K, 0);
+    }
+    free(rows);
+    return;
+  }
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t n = 0; n < count; ++n) k->dequant_row(w + ids[n] * row_bytes, K, out + n * K, 0);
 }
@@ -335,9 +345,14 @@ static void regs_tile(int type, const uint8_t* w, int64_t row_bytes, int bytes, 
 
 /* x: [M, K] fp32; w: [N, row_bytes] blocks of ``type``; out: [M, ldo] fp32, columns 0..N-1
  * written (ldo > N writes one part of a wider output). K is a multiple of the block.
- * ``eight_bit``: Q4_0 / Q4_1 / Q8_0 multiply 8-bit activations (dot_q8.c), as llama.cpp does. */
+ * ``eight_bit``: Q4_0 / Q4_1 / Q8_0 multiply 8-bit activations (dot_q8.c), as llama.cpp does;
+ * their interleaved forms (X16 | type, dot_q8_x16.c) always do. */
 void xl_linear_quant(int type, const float* x, const uint8_t* w, int64_t row_bytes, float* out, int64_t M,
                      int64_t N, int64_t K, int64_t ldo, int eight_bit, int threads) {
+  if (type & X16) { /* always 8-bit: the layout exists for that kernel */
+    xl_linear_x16(type & ~X16, x, w, out, M, N, K, ldo, threads);
+    return;
+  }
   if (eight_bit && xl_q8_handles(type)) {
     xl_linear_q8(type, x, w, row_bytes, out, M, N, K, ldo, threads);
     return;

@@ -23,6 +23,14 @@ class BlockType(enum.IntEnum):
     Q5_K = 13
     Q6_K = 14
     BF16 = 30  # plain bfloat16, kept as stored only where the model computes in float32 (model_loader.keeps_bf16)
+    # xlserve's own, never in a file: Q4_0, Q4_1, Q8_0 interleaved 16 rows at a time for the
+    # 8-bit VNNI kernel (interleave16; kernels/dot_q8_x16.c), X16 | the format's number
+    Q4_0_X16 = 256 | 2
+    Q4_1_X16 = 256 | 3
+    Q8_0_X16 = 256 | 8
+
+
+X16 = 256
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,8 @@ LAYOUTS = {
     BlockType.Q4_0: BlockLayout(32, 18), BlockType.Q4_1: BlockLayout(32, 20), BlockType.Q8_0: BlockLayout(32, 34),
     BlockType.Q4_K: BlockLayout(256, 144), BlockType.Q5_K: BlockLayout(256, 176), BlockType.Q6_K: BlockLayout(256, 210),
     BlockType.BF16: BlockLayout(32, 64),  # no scale: "blocks" of 32 values so every kernel path takes it
+    BlockType.Q4_0_X16: BlockLayout(32, 18), BlockType.Q4_1_X16: BlockLayout(32, 20),
+    BlockType.Q8_0_X16: BlockLayout(32, 34),  # per row on average: 16 rows' blocks take 16 times the bytes
 }
 
 
@@ -106,6 +116,8 @@ DEQUANTIZERS = {BlockType.Q8_0: _q8_0, BlockType.Q4_0: _q4_0, BlockType.Q4_1: _q
 
 def dequantize(qtype: BlockType, data: torch.Tensor, k: int) -> torch.Tensor:
     """Rows of ``qtype`` blocks, [N, row bytes] uint8 on any device -> [N, k] float32."""
+    if qtype & X16:
+        qtype, data = BlockType(qtype & ~X16), deinterleave16(qtype, data)
     layout = LAYOUTS[qtype]
     blocks = data.reshape(-1, layout.bytes)
     return DEQUANTIZERS[qtype](blocks).reshape(data.shape[0], k)
@@ -171,3 +183,56 @@ def blocks_from_zero_point(codes: torch.Tensor, scales: torch.Tensor, zeros: tor
         if blocks is not None:
             return BlockType.Q8_0, blocks
     return None
+
+
+INTERLEAVABLE = {BlockType.Q4_0: BlockType.Q4_0_X16, BlockType.Q4_1: BlockType.Q4_1_X16,
+                 BlockType.Q8_0: BlockType.Q8_0_X16}
+
+
+def _x16_codes(base: BlockType, values: torch.Tensor) -> torch.Tensor:
+    """A block's 32 values [..., 16 rows, 32] as the interleaved registers' bytes [..., 16 x 32
+    or 16 x 16 nibble pairs]: Q8_0 register j, lane r, byte t = value 4j + t; Q4 register j,
+    lane r, byte t = value 8j + t | value 8j + 4 + t << 4."""
+    *lead, rows, _ = values.shape
+    if base is BlockType.Q8_0:  # [.., r, j, t] -> [.., j, r, t]
+        return values.reshape(*lead, rows, 8, 4).transpose(-3, -2).reshape(*lead, 512)
+    v = values.reshape(*lead, rows, 4, 2, 4)  # [.., r, j, half, t]
+    packed = v[..., 0, :] | (v[..., 1, :] << 4)  # [.., r, j, t]
+    return packed.transpose(-3, -2).reshape(*lead, 256)
+
+
+def interleave16(qtype: BlockType, data: torch.Tensor) -> torch.Tensor:
+    """Rows of Q4_0, Q4_1 or Q8_0 blocks [N, row bytes] (N a multiple of 16) in the interleaved
+    layout of ``dot_q8_x16.c``: per group of 16 rows and block, the values' registers, the 16
+    rows' d, then (Q4_1) their m. The same bytes, rearranged; ``deinterleave16`` undoes it."""
+    n, row = data.shape
+    if n % 16:
+        raise ValueError(f"{n} rows do not interleave 16 at a time")
+    block, scales = LAYOUTS[qtype].bytes, 4 if qtype is BlockType.Q4_1 else 2
+    blocks = data.reshape(n // 16, 16, row // block, block).transpose(1, 2)  # [G, blocks, r, bytes]
+    values = blocks[..., scales:]
+    if qtype is not BlockType.Q8_0:  # GGUF: byte i holds value i low, value i + 16 high
+        values = torch.cat((values & 15, values >> 4), dim=-1)
+    parts = [_x16_codes(qtype, values), blocks[..., 0:2].reshape(*blocks.shape[:2], 32)]
+    if qtype is BlockType.Q4_1:
+        parts.append(blocks[..., 2:4].reshape(*blocks.shape[:2], 32))
+    return torch.cat(parts, dim=-1).reshape(n, row).contiguous()
+
+
+def deinterleave16(qtype: BlockType, data: torch.Tensor) -> torch.Tensor:
+    """``interleave16`` undone: rows of ``qtype & ~X16`` blocks as a file stores them."""
+    base = BlockType(qtype & ~X16)
+    n, row = data.shape
+    block = LAYOUTS[base].bytes
+    g = data.reshape(n // 16, row // block, 16 * block)  # [G, blocks, group bytes]
+    codes = 512 if base is BlockType.Q8_0 else 256
+    d = g[..., codes:codes + 32].reshape(*g.shape[:2], 16, 2)
+    scales = [d] if base is not BlockType.Q4_1 else [d, g[..., codes + 32:codes + 64].reshape(*g.shape[:2], 16, 2)]
+    if base is BlockType.Q8_0:
+        values = g[..., :512].reshape(*g.shape[:2], 8, 16, 4).transpose(-3, -2).reshape(*g.shape[:2], 16, 32)
+    else:
+        nib = g[..., :256].reshape(*g.shape[:2], 4, 16, 4).transpose(-3, -2)  # [G, blocks, r, j, t]
+        v = torch.stack((nib & 15, nib >> 4), dim=-2).reshape(*g.shape[:2], 16, 32)  # value 8j + 4 half + t
+        values = v[..., :16] | (v[..., 16:] << 4)
+    blocks = torch.cat((*scales, values), dim=-1)  # [G, blocks, r, block]
+    return blocks.transpose(1, 2).reshape(n, row).contiguous()

@@ -1,5 +1,5 @@
-"""The kernels built per instruction set (``gemm_quant.c``, ``dot_q8.c``, ``attention_paged.c``,
-``decode_step.c``) on first use and called through ctypes (which releases the GIL).
+"""The kernels built per instruction set (``gemm_quant.c``, ``dot_q8.c``, ``dot_q8_x16.c``,
+``attention_paged.c``, ``decode_step.c``) on first use and called through ctypes (which releases the GIL).
 
 Three builds of the same sources: AVX-512 with VNNI or without it where the CPU has them,
 AVX2 + FMA + F16C elsewhere (every x86-64 CPU since 2013), so AMD and Intel CPUs alike run
@@ -20,7 +20,8 @@ import torch
 from xlserve.kernels import cpu_ops
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(n) for n in ("gemm_quant.c", "dot_q8.c", "attention_paged.c", "decode_step.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("gemm_quant.c", "dot_q8.c", "dot_q8_x16.c", "attention_paged.c",
+                                                  "decode_step.c")]
 COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]  # exact dequantization: no fused mul-add
 
 
@@ -58,6 +59,7 @@ SIGNATURES = {
     "xl_row_silu_mul": ([P, P, I64, I64, I32, I32], None),
     "xl_decode_step": ([P, I64, I64, I64, P, F32, I64, I64, I64, I64, P, P, P, P, I64, P, F32, I32, I32], None),
     "xl_decode_step_layer_fields": ([], I64),
+    "xl_x16_ready": ([], I32),
 }
 
 

@@ -26,7 +26,30 @@ static inline float half(const uint8_t* p) {
 /* f rounded to float16 and back (round to nearest even), as ggml stores a block's scale. */
 static inline float half_round(float f) { return _cvtsh_ss(_cvtss_sh(f, 0)); }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* 32 values to 8 bits by llama.cpp's rule (its Q8_0 / Q8_1 activation blocks): d = max|x| /
+ * 127, q = round-to-nearest-even(x * 127 / max|x|); values 0-15 in *q0's lanes, 16-31 in
+ * *q1's, their sum in *sum; returns d (not yet rounded to float16). */
+static inline float quantize_block32(const float* x, __m512i* q0, __m512i* q1, int* sum) {
+  const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+  *q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+  *q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+  *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(*q0, *q1));
+  return amax / 127.0f;
+}
+#endif
+
+/* xlserve's own block types, never in a file: Q4_0, Q4_1 and Q8_0 interleaved 16 rows at a
+ * time for the 8-bit kernel (dot_q8_x16.c), X16 | the format's type */
+enum { X16 = 256 };
+
 int xl_q8_handles(int type);
+int xl_x16_ready(void);
+void xl_linear_x16(int base, const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K,
+                   int64_t ldo, int threads);
+void x16_row(int base, const uint8_t* w, int64_t blocks, int64_t n, uint8_t* row);
 void xl_linear_q8(int type, const float* x, const uint8_t* w, int64_t row_bytes, float* out, int64_t M, int64_t N,
                   int64_t K, int64_t ldo, int threads);
 #endif

@@ -20,6 +20,8 @@ import torch
 from xlserve.kernels import gguf_blocks, portable_library, quant_ops
 from xlserve.kernels.gguf_blocks import BlockType
 
+INTERLEAVED = set(gguf_blocks.INTERLEAVABLE.values())
+
 log = logging.getLogger(__name__)
 
 
@@ -72,9 +74,9 @@ class QuantizedWeight:
         return sum(p.data.nbytes for p in self.parts)
 
     def take_rows(self, order: torch.Tensor) -> QuantizedWeight:
-        """Rows reordered (``order[i]`` becomes row i); a weight of one part."""
-        if len(self.parts) != 1:
-            raise ValueError("only a weight of one part can be reordered")
+        """Rows reordered (``order[i]`` becomes row i); a weight of one part, rows as stored."""
+        if len(self.parts) != 1 or self.parts[0].qtype in INTERLEAVED:
+            raise ValueError("only a weight of one part, rows as stored, can be reordered")
         part = self.parts[0]
         return QuantizedWeight(self.shape, [Part(0, part.qtype, part.data[order].contiguous())])
 
@@ -202,15 +204,48 @@ def set_activation_bits(model: torch.nn.Module, eight_bit: bool) -> None:
     """Every kept weight of the model in Q4_0, Q4_1 or Q8_0 multiplies 8-bit activations (as
     llama.cpp does: about twice the matmul speed on a CPU, results within bf16's error of the
     dequantized weights'), or fp32 ones (the dequantized weights' results). CPU kernel only:
-    torch's path always computes in fp32."""
+    torch's path always computes in fp32. Called once, as the model loads.
+
+    With 8-bit activations on a CPU with AVX512-VNNI, the layers' weights (not the experts',
+    which are views of one stacked tensor) are interleaved 16 rows at a time for the kernel
+    that multiplies 16 rows at once (``dot_q8_x16.c``), as llama.cpp repacks them."""
+    lib = portable_library.kernels()
     for weight in kept_weights(model):
         weight.eight_bit_activations = eight_bit
+    if eight_bit and lib is not None and lib.xl_x16_ready():
+        interleave16(layer_weights(model))
+
+
+def interleave16(weights: list[QuantizedWeight]) -> None:
+    """Their Q4_0 / Q4_1 / Q8_0 parts of whole 16-row groups, on the CPU, in the interleaved
+    layout of the 8-bit VNNI kernel (``gguf_blocks.interleave16``): the same bytes. Data that
+    several weights hold (a tied embedding and head) is interleaved once and stays shared;
+    each part's old bytes are freed as soon as no weight holds them, so loading peaks at one
+    part's bytes above the weights'."""
+    holders: dict[tuple[int, torch.Size], list[tuple[QuantizedWeight, int]]] = {}
+    for weight in {id(w): w for w in weights}.values():
+        for i, p in enumerate(weight.parts):
+            if p.qtype in gguf_blocks.INTERLEAVABLE and p.rows % 16 == 0 and p.data.device.type == "cpu":
+                holders.setdefault((p.data.data_ptr(), p.data.shape), []).append((weight, i))
+    for users in holders.values():
+        first = users[0][0].parts[users[0][1]]
+        packed = gguf_blocks.interleave16(first.qtype, first.data)
+        for weight, i in users:
+            part = weight.parts[i]
+            weight.parts[i] = Part(part.start, gguf_blocks.INTERLEAVABLE[part.qtype], packed)
+            weight._kernel_calls = []
+
+
+def layer_weights(model: torch.nn.Module) -> list[QuantizedWeight]:
+    """The weights of the model's layers kept in a block format (``kept_weights`` without the
+    experts')."""
+    return [m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), QuantizedWeight)]
 
 
 def kept_weights(model: torch.nn.Module) -> list[QuantizedWeight]:
     """Every weight of the model kept in a block format: layers' and experts' (``kept_experts``)."""
-    held = [m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), QuantizedWeight)]
-    return held + [w for m in model.modules() for pair in (getattr(m, "kept_experts", None) or ()) for w in pair]
+    experts = [w for m in model.modules() for pair in (getattr(m, "kept_experts", None) or ()) for w in pair]
+    return layer_weights(model) + experts
 
 
 def describe(model: torch.nn.Module) -> str:

@@ -18,14 +18,15 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from xlserve.kernels.gguf_blocks import BlockType
+from xlserve.kernels.gguf_blocks import X16, BlockType
 from xlserve.layers.quantized import QuantizedExperts, QuantizedWeight
 from xlserve.loader.gguf_arch import CONFIGS, LAYER_NAMES_BY_ARCH, LAYER_TENSOR_NAMES, TENSOR_NAMES
 from xlserve.loader.gguf_container import TensorInfo, read_gguf, release, tensor_bytes
 from xlserve.models.registry import GGUF_ARCHITECTURES, GGUF_MOE_ARCHITECTURES
 
 log = logging.getLogger(__name__)
-KEPT_TYPES = {int(t) for t in BlockType} - {int(BlockType.BF16)}  # BF16 only when asked: keep_bf16
+# as stored: the file formats (not xlserve's interleaved ones); BF16 only when asked: keep_bf16
+KEPT_TYPES = {int(t) for t in BlockType if not t & X16} - {int(BlockType.BF16)}
 UNQUANTIZED_TYPES = {0, 1, 30}  # ggml's F32, F16, BF16
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _ABSORBED_RE = re.compile(r"blk\.(\d+)\.attn_([kv])_b\.weight$")
