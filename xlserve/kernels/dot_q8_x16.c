@@ -12,8 +12,8 @@
  * ggml keeps 8 fp32 lanes per dot (values 4t..4t+3 of every block in lane t), so each row
  * carries 8 accumulators: 8 conversions and 8 FMAs per block for 16 rows. 30 layers of the
  * default model's Q4_1 shapes, 2-core Xeon with AMX (Emerald Rapids), min of 9, twice in one
- * process: 1 row 2.77-3.21 ms against 4.17-4.67 for dot_q8.c's row-major kernel (5.66-6.08
- * with fp32 activations), 32 rows 32.4-32.8 against 45.2-45.6. One exact integer per block and
+ * process: 1 row 2.41-2.52 ms against 3.19-3.21 for dot_q8.c's row-major kernel (4.25-4.28
+ * with fp32 activations), 32 rows 26.0-26.1 against 35.3-35.5 (31.1-31.3). One exact integer per block and
  * row and one FMA (not ggml's order) was 1.9-2.2x the row-major kernel, but failed the
  * agreement with llama.cpp's greedy output (tests/e2e/test_llama_cpp_numerics.py).
  *
@@ -64,7 +64,11 @@ void x16_row(int base, const uint8_t* w, int64_t blocks, int64_t n, uint8_t* row
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 int xl_x16_ready(void) { return 1; }
 
-#define ROWS_MAX 2    /* activation rows per pass over a group: 2 x 9 accumulators */
+/* Activation rows per pass over a group. 4 x 9 accumulators spill a few registers and still
+ * win from 4 rows: 30 layers of the default model's Q4_1 shapes, ratio to the row-major
+ * kernel in the same process, 4 / 3 / 2 rows a pass: at 4 rows 0.76 / 0.90 / 1.0, 8 rows
+ * 0.77 / 0.84 / 0.92, 32 rows 0.73 / 0.81 / 0.80; at 1 row 0.72-0.77 alike. */
+#define ROWS_MAX 4
 #define CHUNK_GROUPS 4 /* groups (64 weight rows) a thread's chunk: stays in L1 while activation rows go by */
 
 /* One activation block: its 32 values (int8, in order), d (float16-rounded), Q4_1's d * sum
@@ -157,7 +161,7 @@ static inline __attribute__((always_inline)) void group_dot(int base, int R, con
 static inline __attribute__((always_inline)) void groups_dot(int base, int rows, const uint8_t* g, const act_block* a,
                                                             int64_t blocks, float* out, int64_t ldo) {
   switch (rows) {
-    GROUP_DOT_CASE(1) default: group_dot(base, 2, g, a, blocks, out, ldo);
+    GROUP_DOT_CASE(1) GROUP_DOT_CASE(2) GROUP_DOT_CASE(3) default: group_dot(base, 4, g, a, blocks, out, ldo);
   }
 }
 
