@@ -28,11 +28,11 @@ test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The peers (llama.cpp's llama-server, built from source: allow 20+ minutes the first time),
-# then the tests of the router in front of them.
+# then the tests of the router in front of them, and our 8-bit kernel against its CPU library.
 test-peers: install
 	$(PY) -m pip install -q -e '.[peers]'
 	$(PY) -m pytest -q tests/e2e/test_llama_server_backend.py tests/e2e/test_llama_cpp_numerics.py \
-		tests/e2e/test_peer_protocols.py tests/e2e/test_llama_cpp_peer.py $(PYTEST_ARGS)
+		tests/e2e/test_peer_protocols.py tests/e2e/test_llama_cpp_peer.py tests/unit/test_ggml_parity.py $(PYTEST_ARGS)
 
 # The fuzz suite at length: schemathesis sends FUZZ_EXAMPLES cases per server and mode
 # (valid and invalid bodies) over every route of a worker and of `xlserve serve`.
