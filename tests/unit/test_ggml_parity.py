@@ -60,7 +60,7 @@ def ggml_matmul(lib: ctypes.CDLL, qtype: BlockType, data: torch.Tensor, x: torch
 @pytest.mark.skipif(not KERNELS, reason="no C compiler or not an x86-64 CPU with AVX2")
 @pytest.mark.parametrize("isa,interleaved", KERNELS, ids=lambda v: v.value if hasattr(v, "value") else
                          ("interleaved" if v else "row-major"))
-@pytest.mark.parametrize("qtype", sorted(INTERLEAVABLE))
+@pytest.mark.parametrize("qtype", sorted(INTERLEAVABLE), ids=lambda t: t.name)
 def test_8_bit_kernel_is_bit_identical_to_ggml(ggml_cpu, isa, interleaved, qtype):
     lib = portable_library.library(isa)
     for k, rows in ((576, 1), (1536, 5), (96, 3)):
