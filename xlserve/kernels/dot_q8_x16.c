@@ -165,17 +165,20 @@ static inline __attribute__((always_inline)) void groups_dot(int base, int rows,
   }
 }
 
-/* Chunks of CHUNK_GROUPS groups, an equal run of chunks per thread; each chunk against every
- * activation row, ROWS_MAX at a time. */
+/* Chunks of about CHUNK_GROUPS groups, as many per thread and each thread's share within one
+ * group of equal: the static schedule's whole chunks left a 576-row weight (36 groups, 9
+ * chunks) split 5 : 4 between two threads. Each chunk against every activation row, ROWS_MAX
+ * at a time. */
 static inline __attribute__((always_inline)) void linear_of(int base, const uint8_t* w, const act_block* a, int64_t M,
-                                                           int64_t N, int64_t blocks, float* out, int64_t ldo) {
-  const int64_t groups = N / 16, chunks = (groups + CHUNK_GROUPS - 1) / CHUNK_GROUPS;
-  const int64_t group_bytes = blocks * 16 * base_bytes(base);
+                                                           int64_t N, int64_t blocks, float* out, int64_t ldo,
+                                                           int threads) {
+  const int64_t groups = N / 16, group_bytes = blocks * 16 * base_bytes(base);
+  const int64_t chunks = threads * ((groups + threads * CHUNK_GROUPS - 1) / (threads * CHUNK_GROUPS));
 #pragma omp for schedule(static)
   for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t g1 = (c + 1) * CHUNK_GROUPS < groups ? (c + 1) * CHUNK_GROUPS : groups;
+    const int64_t g0 = c * groups / chunks, g1 = (c + 1) * groups / chunks;
     for (int64_t m = 0; m < M; m += ROWS_MAX)
-      for (int64_t g = c * CHUNK_GROUPS; g < g1; ++g)
+      for (int64_t g = g0; g < g1; ++g)
         groups_dot(base, M - m < ROWS_MAX ? (int)(M - m) : ROWS_MAX, w + g * group_bytes, a + m * blocks, blocks,
                    out + m * ldo + 16 * g, ldo);
   }
@@ -191,9 +194,9 @@ void xl_linear_x16(int base, const float* x, const uint8_t* w, float* out, int64
   {
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; ++m) quantize_row(base, x + m * K, blocks, a + m * blocks);
-    if (base == Q4_1) linear_of(Q4_1, w, a, M, N, blocks, out, ldo);
-    else if (base == Q4_0) linear_of(Q4_0, w, a, M, N, blocks, out, ldo);
-    else linear_of(Q8_0, w, a, M, N, blocks, out, ldo);
+    if (base == Q4_1) linear_of(Q4_1, w, a, M, N, blocks, out, ldo, threads);
+    else if (base == Q4_0) linear_of(Q4_0, w, a, M, N, blocks, out, ldo, threads);
+    else linear_of(Q8_0, w, a, M, N, blocks, out, ldo, threads);
   }
   free(a);
 }
