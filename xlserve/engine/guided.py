@@ -12,6 +12,7 @@ import threading
 
 import torch
 
+from xlserve.json_schema import closed_objects
 from xlserve.loader.tokenizer import Tokenizer
 from xlserve.sampling_params import GuidedSpec
 
@@ -42,7 +43,7 @@ class GuidedDecoding:
             except json.JSONDecodeError as e:
                 raise ValueError(f"the JSON schema is not valid JSON: {e}") from e
             # Compact JSON (", " and ": "): flexible whitespace lets a model pad until max_tokens.
-            return LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+            return LLMatcher.grammar_from_json_schema(closed_objects(schema), defaults={"whitespace_flexible": False})
         if spec.kind == "lark":
             return LLMatcher.grammar_from_lark(spec.spec)
         return LLMatcher.grammar_from_regex(spec.spec)

@@ -16,6 +16,7 @@ import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from xlserve.json_schema import closed_objects
 from xlserve.markers import pending_marker_length
 from xlserve.sampling_params import GuidedSpec
 
@@ -126,7 +127,7 @@ class ToolParser(ABC):
         chosen = [t for t in tools if name is None or t["function"]["name"] == name]
         if not chosen:
             raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
-        calls = [self.call_rule(t["function"]["name"], json.dumps({**(t["function"].get("parameters") or {
+        calls = [self.call_rule(t["function"]["name"], json.dumps({**closed_objects(t["function"].get("parameters") or {
             "type": "object"}), "x-guidance": COMPACT_JSON})) for t in chosen]
         return GuidedSpec("lark", f"{self.calls_rule(parallel)}\ncall: {' | '.join(calls)}\n")
 
