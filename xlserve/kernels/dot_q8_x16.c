@@ -13,9 +13,9 @@
  * carries 8 accumulators: 8 conversions and 8 FMAs per block for 16 rows. 30 layers of the
  * default model's Q4_1 shapes, 2-core Xeon with AMX (Emerald Rapids), min of 9, twice in one
  * process: 1 row 2.41-2.52 ms against 3.19-3.21 for dot_q8.c's row-major kernel (4.25-4.28
- * with fp32 activations), 32 rows 26.0-26.1 against 35.3-35.5 (31.1-31.3). One exact integer per block and
- * row and one FMA (not ggml's order) was 1.9-2.2x the row-major kernel, but failed the
- * agreement with llama.cpp's greedy output (tests/e2e/test_llama_cpp_numerics.py).
+ * with fp32 activations), 32 rows 26.0-26.1 against 35.3-35.5 (31.1-31.3). One exact integer
+ * per block and row and one FMA (not ggml's order) was 1.9-2.2x the row-major kernel, but
+ * failed the agreement with llama.cpp's greedy output (tests/e2e/test_llama_cpp_numerics.py).
  *
  * Layout of a group of 16 rows, block by block (the same bytes as the 16 rows' blocks):
  *   Q4_0 / Q4_1: 4 registers of nibbles: register j, lane r, byte t holds value 8j + t of row
@@ -34,7 +34,7 @@
 
 #include "quant_blocks.h"
 
-/* Bytes of one block of ``base`` (Q4_0, Q4_1, Q8_0), and of 16 rows' blocks. */
+/* Bytes of one block of ``base`` (Q4_0, Q4_1, Q8_0). */
 static inline int base_bytes(int base) { return base == Q8_0 ? 34 : base == Q4_0 ? 18 : 20; }
 
 /* Row ``n`` of an interleaved weight with ``blocks`` blocks a row, back in GGUF's layout. */
@@ -116,8 +116,8 @@ static inline __attribute__((always_inline)) void unpack(int base, const uint8_t
 /* One group of 16 weight rows against R activation rows (``a``, ``blocks`` apart): 16
  * outputs per activation row, at out + i * ldo. Lane t of a block (values 4t..4t+3) is an
  * exact integer, scaled and added into its own accumulator, block after block; the 8 lanes
- * are then summed pairwise (lane t with t + 4, then 0+2 with 1+3) and Q4_1's m * s, summed
- * apart, added last: the operations of ggml's vec_dot_q4_1_q8_1 / q4_0_q8_0 / q8_0_q8_0 on
+ * are then summed ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)), and Q4_1's m * s, summed apart,
+ * added last: the operations of ggml's vec_dot_q4_1_q8_1 / q4_0_q8_0 / q8_0_q8_0 on
  * AVX2 and AVX-512 (8 lanes of 32 bits, FMAs, hsum_float_8), 16 rows at a time. */
 static inline __attribute__((always_inline)) void group_dot(int base, int R, const uint8_t* g, const act_block* a,
                                                            int64_t blocks, float* out, int64_t ldo) {
@@ -148,9 +148,9 @@ static inline __attribute__((always_inline)) void group_dot(int base, int R, con
     }
   }
   for (int i = 0; i < R; ++i) {
-    __m512 (*l)[8] = &acc[i];
-    const __m512 even = _mm512_add_ps(_mm512_add_ps((*l)[0], (*l)[4]), _mm512_add_ps((*l)[2], (*l)[6]));
-    const __m512 odd = _mm512_add_ps(_mm512_add_ps((*l)[1], (*l)[5]), _mm512_add_ps((*l)[3], (*l)[7]));
+    const __m512* l = acc[i];
+    const __m512 even = _mm512_add_ps(_mm512_add_ps(l[0], l[4]), _mm512_add_ps(l[2], l[6]));
+    const __m512 odd = _mm512_add_ps(_mm512_add_ps(l[1], l[5]), _mm512_add_ps(l[3], l[7]));
     _mm512_storeu_ps(out + i * ldo, _mm512_add_ps(_mm512_add_ps(even, odd), mins[i]));
   }
 }
@@ -165,9 +165,9 @@ static inline __attribute__((always_inline)) void groups_dot(int base, int rows,
   }
 }
 
-/* Chunks of about CHUNK_GROUPS groups, as many per thread and each thread's share within one
- * group of equal: the static schedule's whole chunks left a 576-row weight (36 groups, 9
- * chunks) split 5 : 4 between two threads. Each chunk against every activation row, ROWS_MAX
+/* Chunks of about CHUNK_GROUPS groups, the same number per thread, so two threads' shares
+ * differ by one group at most (chunks of exactly CHUNK_GROUPS split a 576-row weight, 36
+ * groups, 20 : 16, and a 64-row one 4 : 0). Each chunk against every activation row, ROWS_MAX
  * at a time. */
 static inline __attribute__((always_inline)) void linear_of(int base, const uint8_t* w, const act_block* a, int64_t M,
                                                            int64_t N, int64_t blocks, float* out, int64_t ldo,
@@ -189,7 +189,8 @@ static inline __attribute__((always_inline)) void linear_of(int base, const uint
 void xl_linear_x16(int base, const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K,
                    int64_t ldo, int threads) {
   const int64_t blocks = K / 32;
-  act_block* a = (act_block*)aligned_alloc(64, sizeof(act_block) * (size_t)(M * blocks));
+  const size_t bytes = (sizeof(act_block) * (size_t)(M * blocks) + 63) & ~(size_t)63; /* aligned_alloc: a multiple */
+  act_block* a = (act_block*)aligned_alloc(64, bytes);
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
