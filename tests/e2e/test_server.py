@@ -247,7 +247,8 @@ def test_tool_call_arguments_keep_to_the_declared_parameters(client, model):
     from xlserve.bench.spec_bench import TOOL_SYSTEM
     messages = [{"role": "system", "content": TOOL_SYSTEM},
                 {"role": "user", "content": "Open an issue for the flaky test."}]
-    call = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice="required",
+    forced = {"type": "function", "function": {"name": "open_issue"}}
+    call = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice=forced,
                                           max_tokens=64, temperature=0).choices[0].message.tool_calls[0]
     assert call.function.name == "open_issue" and set(json.loads(call.function.arguments)) == {"title"}
 
