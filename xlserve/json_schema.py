@@ -25,7 +25,8 @@ _OPEN_WORDS = ("additionalProperties", "unevaluatedProperties", "patternProperti
 def closed_objects(schema: Any) -> Any:
     """A copy of ``schema`` in which every object schema with ``properties`` and no word on other
     properties gets ``"additionalProperties": false``. The members of an ``allOf`` are left open:
-    their properties add up, and closing each would admit no object with both."""
+    their properties add up, and closing each would admit no object with both; so is an object
+    that requires a key it does not list."""
     return _close(schema, in_all_of=False)
 
 
@@ -44,6 +45,14 @@ def _close(schema: Any, in_all_of: bool) -> Any:
             out[key] = [_close(sub, False) for sub in out[key]]
         elif key in out:
             out[key] = _close(out[key], False)
-    if isinstance(schema.get("properties"), dict) and not in_all_of and not any(w in schema for w in _OPEN_WORDS):
+    if isinstance(schema.get("properties"), dict) and not in_all_of and not any(w in schema for w in _OPEN_WORDS) \
+            and not _requires_unlisted(schema):
         out["additionalProperties"] = False
     return out
+
+
+def _requires_unlisted(schema: dict) -> bool:
+    """It requires a key its ``properties`` do not list: it expects others (closed, it would
+    admit no object at all)."""
+    required = schema.get("required")
+    return isinstance(required, list) and any(key not in schema["properties"] for key in required)

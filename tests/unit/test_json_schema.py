@@ -17,6 +17,7 @@ def test_objects_that_list_properties_are_closed_where_they_say_nothing_of_other
         "free": {"type": "object"},  # no properties listed: any object
         "either": {"anyOf": [PATH, {"type": "string"}]},
         "both": {"allOf": [PATH, {"properties": {"mode": {"type": "string"}}}]},
+        "more": {"type": "object", "properties": {"a": {}}, "required": ["a", "b"]},  # requires an unlisted key
     }, "$defs": {"p": PATH}}
     closed = closed_objects(schema)
     props = closed["properties"]
@@ -28,6 +29,7 @@ def test_objects_that_list_properties_are_closed_where_they_say_nothing_of_other
     assert "additionalProperties" not in props["free"]
     assert props["either"]["anyOf"][0]["additionalProperties"] is False  # an alternative is a whole object
     assert all("additionalProperties" not in part for part in props["both"]["allOf"])  # parts add up: left open
+    assert "additionalProperties" not in props["more"]  # closed, it would admit nothing
     assert schema["properties"]["file"] == PATH and "additionalProperties" not in schema  # a copy; the input unchanged
     assert closed_objects(True) is True and closed_objects({"type": "string"}) == {"type": "string"}
 
