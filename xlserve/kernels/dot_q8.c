@@ -25,9 +25,6 @@
 
 int xl_q8_handles(int type) { return type == Q4_0 || type == Q4_1 || type == Q8_0; }
 
-/* Bytes of one block of a type xl_q8_handles takes. */
-static inline int block_bytes(int type) { return type == Q8_0 ? 34 : type == Q4_0 ? 18 : 20; }
-
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 /* AVX512-VNNI, 512 bits wide: vpdpbusd multiplies 64 unsigned weight bytes by 64 signed
  * activation bytes into 16 int32 lanes, each the exact sum of 4 products. A group is 4

@@ -34,12 +34,9 @@
 
 #include "quant_blocks.h"
 
-/* Bytes of one block of ``base`` (Q4_0, Q4_1, Q8_0). */
-static inline int base_bytes(int base) { return base == Q8_0 ? 34 : base == Q4_0 ? 18 : 20; }
-
 /* Row ``n`` of an interleaved weight with ``blocks`` blocks a row, back in GGUF's layout. */
 void x16_row(int base, const uint8_t* w, int64_t blocks, int64_t n, uint8_t* row) {
-  const int bb = base_bytes(base), lane = (int)(n % 16), scales = base == Q8_0 ? 512 : 256;
+  const int bb = block_bytes(base), lane = (int)(n % 16), scales = base == Q8_0 ? 512 : 256;
   const uint8_t* group = w + (n / 16) * blocks * 16 * bb;
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* g = group + b * 16 * bb;
@@ -121,7 +118,7 @@ static inline __attribute__((always_inline)) void unpack(int base, const uint8_t
  * AVX2 and AVX-512 (8 lanes of 32 bits, FMAs, hsum_float_8), 16 rows at a time. */
 static inline __attribute__((always_inline)) void group_dot(int base, int R, const uint8_t* g, const act_block* a,
                                                            int64_t blocks, float* out, int64_t ldo) {
-  const int gb = 16 * base_bytes(base), scales = base == Q8_0 ? 512 : 256;
+  const int gb = 16 * block_bytes(base), scales = base == Q8_0 ? 512 : 256;
   __m512 acc[ROWS_MAX][8], mins[ROWS_MAX];
   for (int i = 0; i < R; ++i) {
     mins[i] = _mm512_setzero_ps();
@@ -172,7 +169,7 @@ static inline __attribute__((always_inline)) void groups_dot(int base, int rows,
 static inline __attribute__((always_inline)) void linear_of(int base, const uint8_t* w, const act_block* a, int64_t M,
                                                            int64_t N, int64_t blocks, float* out, int64_t ldo,
                                                            int threads) {
-  const int64_t groups = N / 16, group_bytes = blocks * 16 * base_bytes(base);
+  const int64_t groups = N / 16, group_bytes = blocks * 16 * block_bytes(base);
   const int64_t chunks = threads * ((groups + threads * CHUNK_GROUPS - 1) / (threads * CHUNK_GROUPS));
 #pragma omp for schedule(static)
   for (int64_t c = 0; c < chunks; ++c) {

@@ -23,6 +23,9 @@ static inline float half(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
+/* Bytes of one block of the 32-value formats the 8-bit kernels take (Q4_0, Q4_1, Q8_0). */
+static inline int block_bytes(int type) { return type == Q8_0 ? 34 : type == Q4_0 ? 18 : 20; }
+
 /* f rounded to float16 and back (round to nearest even), as ggml stores a block's scale. */
 static inline float half_round(float f) { return _cvtsh_ss(_cvtss_sh(f, 0)); }
 

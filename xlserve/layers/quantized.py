@@ -20,8 +20,6 @@ import torch
 from xlserve.kernels import gguf_blocks, portable_library, quant_ops
 from xlserve.kernels.gguf_blocks import BlockType
 
-INTERLEAVED = set(gguf_blocks.INTERLEAVABLE.values())
-
 log = logging.getLogger(__name__)
 
 
@@ -75,7 +73,7 @@ class QuantizedWeight:
 
     def take_rows(self, order: torch.Tensor) -> QuantizedWeight:
         """Rows reordered (``order[i]`` becomes row i); a weight of one part, rows as stored."""
-        if len(self.parts) != 1 or self.parts[0].qtype in INTERLEAVED:
+        if len(self.parts) != 1 or self.parts[0].qtype & gguf_blocks.X16:
             raise ValueError("only a weight of one part, rows as stored, can be reordered")
         part = self.parts[0]
         return QuantizedWeight(self.shape, [Part(0, part.qtype, part.data[order].contiguous())])
