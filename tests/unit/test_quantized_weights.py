@@ -109,7 +109,7 @@ def check_kernel_rows(lib, qtype: BlockType, eight_bit: bool, n: int, k: int, in
             assert ((scheme - expected).abs() <= 2 ** -8 * magnitude).all()
         expected, magnitude, tolerance = scheme, sizes, 2 ** -20
     alone = None
-    for m in (1, 2, 3, 4, 5, 8, 17, 64):
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 17, 64):  # every register kernel (1-8 rows), the tile path
         out = torch.full((m, n + 3), float("nan"))
         quant_ops.linear(lib, qtype, x[:m], data, out, 2, eight_bit)
         assert torch.isnan(out[:, :2]).all() and torch.isnan(out[:, -1]).all()  # only its columns written
