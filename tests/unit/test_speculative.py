@@ -115,6 +115,31 @@ def test_a_json_schema_answer_is_the_same_with_proposals():
     assert stats["spec_accepted_tokens"] > 0
 
 
+def test_tool_calls_are_the_same_with_chained_proposals():
+    """A forced tool call in the default configuration: the grammar's envelope and an argument
+    guessed from an earlier answer (suffix) checked in one step where each took one of its
+    own; the answers are none's. A fixed length keeps the plan off the machine's timings."""
+    from xlserve.bench.spec_bench import tool_call_grammar, workloads
+    runs, chains = {}, []
+    for method in ("none", "suffix"):
+        with LLM("default", speculative=method, num_speculative_tokens=16) as llm:
+            speculation, fill = llm.engine.speculation, llm.engine.speculation._fill
+
+            def spy(planned_chains, planned, continuation, fill=fill):
+                out = fill(planned_chains, planned, continuation)
+                chains.extend((len(c.head), len(c.guesses), len(c.tail)) for c in planned_chains)
+                return out
+            speculation._fill = spy
+            prompts = workloads(llm.tokenizer, 4)["tool_calls"]
+            params = SamplingParams(max_tokens=48, temperature=0, guided=tool_call_grammar(llm.tokenizer))
+            batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            runs[method] = [batched, [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]]
+            longest = max(speculation.stats.lengths, default=0)
+    assert runs["suffix"] == runs["none"] and runs["none"][0] == runs["none"][1]
+    assert any(head and guesses for head, guesses, _ in chains)  # guesses after a forced run were checked
+    assert longest > 9  # more than the envelope's longest forced run landed at once
+
+
 def test_seeded_sampling_with_proposals_is_reproducible(tiny_model_dirs):
     params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=5, ignore_eos=True)
     outs = []
@@ -325,3 +350,88 @@ def test_the_engine_times_its_decode_steps_by_rows(tiny_model_dirs):
         costs = llm.engine.speculation.step_costs
         assert costs.forward and min(costs.forward) >= 2 and costs.rest is not None
         assert all(seconds > 0 for seconds in costs.forward.values())
+
+
+class _ScriptedGrammar:
+    """A grammar over output positions: a listed token is forced there, None admits 50-59."""
+
+    def __init__(self, script: list[int | None], start: int):
+        self.script, self.start = script, start
+
+    def continuation(self, request_id: str, tokens: list[int]) -> tuple[int, list[int]]:
+        at = self.start
+        for token in tokens:
+            want = self.script[at] if at < len(self.script) else -1
+            if want != token and not (want is None and 50 <= token < 60):
+                break
+            at += 1
+        admitted, forced = at - self.start, []
+        while at < len(self.script) and self.script[at] is not None:
+            forced.append(self.script[at])
+            at += 1
+        return admitted, forced
+
+
+class _Guesser(NgramProposer):
+    """Guesses the same tokens whatever it is shown, and remembers what it was shown."""
+    guesses_ahead = True
+
+    def __init__(self, guesses: list[int], ahead: bool = True):
+        super().__init__()
+        self.guesses, self.seen, self.guesses_ahead = guesses, [], ahead
+
+    def propose(self, request_id: str, tokens: list[int], k: int) -> list[int]:
+        self.seen.append(list(tokens))
+        return self.guesses[:k]
+
+
+def _decoding_request(max_tokens: int = 64):
+    from xlserve.engine.request import Request
+    from xlserve.sampling_params import GuidedSpec
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, guided=GuidedSpec("regex", "[a-z]+"))
+    req = Request("r", [1, 2, 3], params, set(), 16)
+    req.append_token(7)
+    req.num_computed_tokens = req.num_tokens - 1
+    return req
+
+
+def test_a_proposal_chains_forced_tokens_guesses_and_the_tokens_forced_after_them():
+    """The grammar's forced tokens lead, a lookup proposer guesses after them (it is shown
+    them), guesses the grammar forbids are cut, and the tokens it forces after the rest close
+    the proposal when the guesses are likelier than not to land; the request's rate learns
+    from its guesses alone."""
+    from xlserve.engine.speculation import Speculation
+    grammar = _ScriptedGrammar([7, 10, 11, 12, None, None, 20, 21, None], start=1)  # output 7 is sampled
+    guesser, req = _Guesser([50, 51, 99]), _decoding_request()
+    speculation = Speculation(guesser, 0)
+    speculation.propose([req], 4096, grammar.continuation)
+    assert guesser.seen == [[1, 2, 3, 7, 10, 11, 12]]
+    assert req.spec_token_ids == [10, 11, 12, 50, 51]  # 99 cut: 20 is forced there; a new rate, 0.6^2: no tail
+    speculation.draft_lengths["r"] = DraftLength(rate=0.9)  # guesses that have landed
+    speculation.propose([req], 4096, grammar.continuation)
+    assert req.spec_token_ids == [10, 11, 12, 50, 51, 20, 21]
+    from xlserve.engine.scheduler import SchedulerOutput
+    checked = SchedulerOutput([_scheduled(req)], 8)
+    speculation.record(checked, {"r": [10, 11, 12, 50, 55]})  # the second guess missed
+    expected = DraftLength(rate=0.9)
+    expected.record(2, 1)
+    assert speculation.draft_lengths["r"].rate == expected.rate
+    # --num-speculative-tokens 4 bounds the whole chain; a model proposer guesses after none
+    req.spec_token_ids = []
+    fixed = Speculation(_Guesser([50, 51]), 4)
+    fixed.propose([req], 4096, grammar.continuation)
+    assert req.spec_token_ids == [10, 11, 12, 50]
+    model = _Guesser([50, 51], ahead=False)
+    Speculation(model, 0).propose([req], 4096, grammar.continuation)
+    assert req.spec_token_ids == [10, 11, 12] and model.seen == []
+    # max_tokens leaves room for 4 proposals: the chain stops there
+    short = _decoding_request(max_tokens=6)
+    Speculation(_Guesser([50, 51]), 0).propose([short], 4096, grammar.continuation)
+    assert short.spec_token_ids == [10, 11, 12, 50]
+
+
+def _scheduled(req):
+    from xlserve.engine.scheduler import ScheduledRequest
+    proposed = req.spec_token_ids
+    return ScheduledRequest(req.request_id, [req.all_token_ids[-1], *proposed], req.num_computed_tokens, [0], True,
+                            req.params, None, req.num_output_tokens, num_proposed=len(proposed))

@@ -244,7 +244,8 @@ class LLMEngine:
                 outputs.append(self._fail(req.request_id, f"detokenizing failed: {describe(e)}"))
                 continue
             outputs.append(self._output(req, new_text, req.output_token_ids[-count:]))
-        proposing = speculation.propose(self.scheduler.running, self.max_model_len, self.runner.sampling.forced_tokens)
+        proposing = speculation.propose(self.scheduler.running, self.max_model_len,
+                                        self.runner.sampling.grammar_continuation)
         speculation.time_step(sched_out, forward_seconds, time.monotonic() - step_started, proposing)
         return outputs
 

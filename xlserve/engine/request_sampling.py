@@ -85,10 +85,19 @@ class RequestSampling:
             matcher = self.matchers[s.request_id] = self.guided.matcher(s.params.guided)
         return matcher
 
-    def forced_tokens(self, request_id: str) -> list[int]:
-        """The tokens the request's grammar forces next (none before its first sampled token)."""
+    def grammar_continuation(self, request_id: str, tokens: list[int]) -> tuple[int, list[int]]:
+        """How many of ``tokens`` the request's grammar admits from its state, and the tokens it
+        forces after those (llguidance's fast-forward tokens); the state is left as it was.
+        Before the request's first sampled token it has no grammar state: all admitted, none
+        forced."""
         matcher = self.matchers.get(request_id)
-        return list(matcher.compute_ff_tokens()) if matcher is not None else []
+        if matcher is None:
+            return len(tokens), []
+        admitted = matcher.try_consume_tokens(tokens) if tokens else 0
+        forced = list(matcher.compute_ff_tokens())
+        if admitted:
+            matcher.rollback(admitted)
+        return admitted, forced
 
     def resume_guided(self, request_id: str, params, tokens: tuple[int, ...]) -> None:
         """Bring a resumed request's grammar state past the output it already has."""

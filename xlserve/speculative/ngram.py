@@ -16,6 +16,7 @@ SIZES = (4, 3, 2)  # longest first: a longer match is likelier to continue the s
 
 class NgramProposer(Proposer):
     name = "ngram"
+    guesses_ahead = True
 
     def __init__(self):
         self.indexes: dict[str, tuple[dict, list[int]]] = {}  # request -> (n-gram -> last end, [indexed])

@@ -23,6 +23,9 @@ class Proposer(ABC):
 
     name: str
     wants_hidden = False  # the engine hands it the target's hidden states (``observe``)
+    # it may guess after tokens the target has not computed yet (a grammar's forced tokens
+    # about to be checked): a lookup over tokens, not a model that needs their states or KV
+    guesses_ahead = False
 
     @classmethod
     def create(cls, config, loaded) -> Proposer:

@@ -57,6 +57,7 @@ class TokenIndex:
 
 class SuffixProposer(Proposer):
     name = "suffix"
+    guesses_ahead = True
 
     def __init__(self, shared_tokens: int = SHARED_TOKENS):
         self.requests: dict[str, TokenIndex] = {}
