@@ -435,3 +435,20 @@ def _scheduled(req):
     proposed = req.spec_token_ids
     return ScheduledRequest(req.request_id, [req.all_token_ids[-1], *proposed], req.num_computed_tokens, [0], True,
                             req.params, None, req.num_output_tokens, num_proposed=len(proposed))
+
+
+def test_a_new_request_starts_at_the_recent_rate_of_guesses():
+    """Tool-call traffic whose guesses land lets a new request guess deep from its first step;
+    a benchmark's reset starts from nothing."""
+    from xlserve.engine.scheduler import SchedulerOutput
+    from xlserve.engine.speculation import Speculation
+    from xlserve.speculative.draft_budget import START_RATE
+    grammar = _ScriptedGrammar([7, None, None, None, None], start=1)
+    speculation, req = Speculation(_Guesser([50, 51, 52, 53]), 0), _decoding_request()
+    for _ in range(6):  # every guess lands
+        speculation.propose([req], 4096, grammar.continuation)
+        speculation.record(SchedulerOutput([_scheduled(req)], 5), {"r": [50, 51, 52, 53, 54]})
+    assert speculation.draft_lengths["r"].rate > 0.9
+    assert speculation._new_length().rate == speculation.recent.rate > 0.9
+    speculation.reset()
+    assert speculation._new_length().rate == START_RATE

@@ -92,8 +92,7 @@ def decode_run(engine, prompts: list[list[int]], max_tokens: int, guided=None) -
 def measure(engine, prompts: list[list[int]], batch: int, max_tokens: int, guided=None) -> dict:
     """The prompts in batches of ``batch``, the proposer starting from nothing: answers of an
     earlier run (the same prompts) would make the next one's a replay."""
-    if engine.speculation.proposer is not None:
-        engine.speculation.proposer.reset()
+    engine.speculation.reset()
     runs = [decode_run(engine, prompts[i:i + batch], max_tokens, guided) for i in range(0, len(prompts), batch)]
     total = {k: sum(r[k] for r in runs) for k in ("seconds", "tokens", "proposed", "accepted", "checks",
                                                    "request_steps")}

@@ -87,6 +87,7 @@ class Speculation:
         self.proposer = proposer
         self.fixed_length = fixed_length  # --num-speculative-tokens; 0: planned per step
         self.draft_lengths: dict[str, DraftLength] = {}
+        self.recent = DraftLength()  # every request's guesses, latest weighing most: a new request's start
         self.step_costs = StepCosts()  # decode steps timed by rows: what a proposal's row costs here
         self.chains: dict[str, ProposalChain] = {}  # the pending proposals, by request
         self.stats = SpeculationStats()
@@ -117,7 +118,7 @@ class Speculation:
                 rooms.append(len(chain.forced))
             if room > len(chain.forced) and (not chain.forced or self.proposer.guesses_ahead):
                 chain.guess_entry = len(lengths)
-                lengths.append(self.draft_lengths.setdefault(req.request_id, DraftLength(self.fixed_length)))
+                lengths.append(self.draft_lengths.setdefault(req.request_id, self._new_length()))
                 chain.rate = lengths[-1].rate
                 rooms.append(room - len(chain.forced))
             chains.append(chain)
@@ -146,6 +147,16 @@ class Speculation:
                 self.chains[chain.req.request_id] = chain
         return seconds, max((k for _, k in asks), default=0)
 
+    def _new_length(self) -> DraftLength:
+        """A request's first guesses land as often as the other requests' lately did."""
+        return DraftLength(self.fixed_length, rate=self.recent.rate)
+
+    def reset(self) -> None:
+        """Forget what was learned across requests (a benchmark run starts from nothing)."""
+        self.recent = DraftLength()
+        if self.proposer is not None:
+            self.proposer.reset()
+
     def record(self, sched_out: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
         """Each checked proposal's fate (for adaptive lengths and the metrics): a request's rate
         learns from its guesses alone (a grammar's forced tokens always land)."""
@@ -157,9 +168,13 @@ class Speculation:
                 if length is None:
                     continue
                 if chain is None:  # proposed elsewhere (before a hand-off): all guesses
-                    length.record(s.num_proposed, accepted)
-                elif (guessed := min(len(chain.guesses), s.num_proposed - len(chain.head))) > 0:
-                    length.record(guessed, min(max(0, accepted - len(chain.head)), guessed))
+                    guessed, landed = s.num_proposed, accepted
+                else:
+                    guessed = min(len(chain.guesses), s.num_proposed - len(chain.head))
+                    landed = min(max(0, accepted - len(chain.head)), guessed)
+                if guessed > 0:
+                    length.record(guessed, landed)
+                    self.recent.record(guessed, landed)
 
     def observe(self, sched_out: SchedulerOutput, hidden: dict, sampled: dict[str, list[int]],
                 errors: dict[str, str]) -> None:

@@ -11,9 +11,10 @@ step's expected tokens per second grow (``plan_lengths``).
 
 Acceptance is modelled per request as geometric: each guess lands with probability ``rate``
 once the ones before it did (``DraftLength.rate``, learned from every checked proposal: a
-tool call's envelope lands nearly always, free text's words seldom), so k guesses are
-expected to yield rate + rate^2 + ... + rate^k tokens; guessing deeper also costs the
-proposer's time (an EAGLE head's or a draft model's forward per depth).
+tool call's envelope lands nearly always, free text's words seldom; a new request starts
+at the rate every request's guesses had lately), so k guesses are expected to yield rate +
+rate^2 + ... + rate^k tokens; guessing deeper also costs the proposer's time (an EAGLE
+head's or a draft model's forward per depth).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import heapq
 from dataclasses import dataclass, field
 
 MAX_PROPOSALS = 8  # per request and step
-START_RATE = 0.6  # a request's guesses before any of them was checked
+START_RATE = 0.6  # guesses before any was checked (later, a new request starts at the recent rate)
 RATE_DECAY = 0.3  # weight of the latest check: acceptance shifts within a tool call's few tokens
 
 
