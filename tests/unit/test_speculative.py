@@ -452,3 +452,27 @@ def test_a_new_request_starts_at_the_recent_rate_of_guesses():
     assert speculation._new_length().rate == speculation.recent.rate > 0.9
     speculation.reset()
     assert speculation._new_length().rate == START_RATE
+
+
+def test_proposals_never_take_a_later_running_requests_token():
+    """A long proposal (a grammar can force a long run) rides on the budget that is left once
+    every running request has its token: nobody's decode step is pushed out by a guess."""
+    from xlserve.config import CacheConfig, SchedulerConfig
+    from xlserve.engine.request import Request
+    from xlserve.engine.scheduler import Scheduler
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=12), CacheConfig(block_size=16), 64, 512)
+    for rid in "abc":
+        sched.add_request(Request(rid, [1, 2, 3, 4], SamplingParams(max_tokens=64), set(), 16))
+    sched.update(sched.schedule(), {rid: [5] for rid in "abc"}, {})  # prefills, a first token each
+    sched.running[0].spec_token_ids = list(range(10, 40))
+    step = sched.schedule().scheduled
+    assert [(s.request_id, s.num_proposed) for s in step] == [("a", 9), ("b", 0), ("c", 0)]
+
+
+def test_a_spike_in_a_step_time_does_not_keep_the_planner_off_its_row_count():
+    costs = _costs({1: 1.0, 2: 1.1})
+    costs.record(2, 9.0, 9.0)  # the VM stalled once
+    assert costs.estimate(2) == pytest.approx(1.1)
+    for _ in range(StepCosts.WINDOW):  # what the machine costs now, seen again and again
+        costs.record(2, 1.5, 1.5)
+    assert costs.estimate(2) == pytest.approx(1.5)

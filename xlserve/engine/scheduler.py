@@ -100,8 +100,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            # proposals ride along when the known tokens fit and budget is left
-            proposed = req.spec_token_ids[:budget - n] if n == req.num_tokens - req.num_computed_tokens else []
+            # proposals ride along when the known tokens fit and budget is left, never taking
+            # the token each running request after this one needs
+            spare = budget - n - (len(self.running) - i - 1)
+            proposed = req.spec_token_ids[:max(0, spare)] if n == req.num_tokens - req.num_computed_tokens else []
             if proposed and not self.kv.allocate_slots(req, n + len(proposed)):
                 proposed = []  # no room for a guess: nobody is preempted for one
             while not proposed and not self.kv.allocate_slots(req, n):

@@ -19,6 +19,7 @@ head's or a draft model's forward per depth).
 
 from __future__ import annotations
 
+import collections
 import heapq
 from dataclasses import dataclass, field
 
@@ -52,23 +53,30 @@ class StepCosts:
     computed; the proposer's time by the depth it guessed to (a model-based proposer catches
     up on the confirmed tokens, then runs its head or draft once per depth for every request
     at once; for ``ngram`` and ``suffix`` it is a lookup); and the rest of a step
-    (scheduling, sampling's bookkeeping, detokenizing), which depends on neither. Each is an
-    exponential mean per row count or depth; one never measured is estimated at the most
-    measured below it (optimistic: the planner tries it once, then knows)."""
+    (scheduling, sampling's bookkeeping, detokenizing), which depends on neither. Each is the
+    least of its latest WINDOW samples per row count or depth: noise (another process, the
+    VM's neighbours) only ever adds time, and a mean that caught a spike can keep the planner
+    off that row count for good, as it is then never tried again (on a noisy 2-core VM bench
+    spec's suffix at batch 1 once took 107 request-steps a run for answers that take 80 in
+    another). One never measured is estimated at the most measured below it (optimistic:
+    the planner tries it once, then knows)."""
     forward: dict[int, float] = field(default_factory=dict)
     proposing: dict[int, float] = field(default_factory=dict)
     rest: float | None = None
-    DECAY = 0.2
+    windows: dict[tuple[str, int], collections.deque] = field(default_factory=dict)
+    WINDOW = 8
 
     def record(self, rows: int, forward_seconds: float, step_seconds: float, propose_seconds: float = 0.0,
                depth: int = 0) -> None:
-        self.forward[rows] = self._mean(self.forward.get(rows), forward_seconds)
+        self.forward[rows] = self._least("forward", rows, forward_seconds)
         if depth:
-            self.proposing[depth] = self._mean(self.proposing.get(depth), propose_seconds)
-        self.rest = self._mean(self.rest, max(0.0, step_seconds - forward_seconds - propose_seconds))
+            self.proposing[depth] = self._least("proposing", depth, propose_seconds)
+        self.rest = self._least("rest", 0, max(0.0, step_seconds - forward_seconds - propose_seconds))
 
-    def _mean(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.DECAY * (new - old)
+    def _least(self, part: str, key: int, seconds: float) -> float:
+        window = self.windows.setdefault((part, key), collections.deque(maxlen=self.WINDOW))
+        window.append(seconds)
+        return min(window)
 
     @staticmethod
     def _at(table: dict[int, float], key: int) -> float:
