@@ -169,7 +169,7 @@ def spec_table(results: dict) -> str:
 
 
 def spec_plot(results: dict, path: str) -> None:
-    """Speedup over none per workload and batch, a bar per proposer."""
+    """Speedup over none per workload and batch, a bar per proposer, its rounds' range."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -178,12 +178,15 @@ def spec_plot(results: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     width = 0.8 / max(len(methods), 1)
     for i, method in enumerate(methods):
-        ax.bar([g + i * width for g in range(len(groups))],
-               [results["summary"][w][b][method]["speedup"] for w, b in groups], width, label=method)
+        rows = [results["summary"][w][b][method] for w, b in groups]
+        ranges = [r.get("speedup_range", (r["speedup"], r["speedup"])) for r in rows]
+        ax.bar([g + i * width for g in range(len(groups))], [r["speedup"] for r in rows], width, label=method,
+               yerr=[[r["speedup"] - low for r, (low, _) in zip(rows, ranges)],
+                     [high - r["speedup"] for r, (_, high) in zip(rows, ranges)]], capsize=2)
     ax.axhline(1.0, color="gray", linewidth=0.8)
     ax.set_xticks([g + width * (len(methods) - 1) / 2 for g in range(len(groups))],
                   [f"{w.replace('_', ' ')}, batch {b}" for w, b in groups])
-    ax.set_ylabel("decode tok/s vs none")
+    ax.set_ylabel("decode tok/s vs none (paired rounds:\nmedian, range)")
     ax.set_title(f"Speculative decoding, {results['model']} model")
     ax.legend()
     fig.tight_layout()
