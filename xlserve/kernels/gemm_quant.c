@@ -98,14 +98,17 @@ static const block_kind* kind_of(int type) {
 void xl_dequant_rows(int type, const uint8_t* w, int64_t row_bytes, const int64_t* ids, int64_t count, int64_t K,
                      float* out, int threads) {
   const block_kind* k = kind_of(type & ~X16);
-  if (type & X16) { /* interleaved rows: each row gathered back into its blocks first */
-    uint8_t* rows = (uint8_t*)malloc((size_t)(count * row_bytes));
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t n = 0; n < count; ++n) {
-      x16_row(type & ~X16, w, K / 32, ids[n], rows + n * row_bytes);
-      k->dequant_row(rows + n * row_bytes, K, out + n * K, 0);
+  if (type & X16) { /* interleaved rows: each row gathered back into its blocks first, one row a thread */
+#pragma omp parallel num_threads(threads)
+    {
+      uint8_t* row = (uint8_t*)malloc((size_t)row_bytes);
+#pragma omp for schedule(static)
+      for (int64_t n = 0; n < count; ++n) {
+        x16_row(type & ~X16, w, K / 32, ids[n], row);
+        k->dequant_row(row, K, out + n * K, 0);
+      }
+      free(row);
     }
-    free(rows);
     return;
   }
 #pragma omp parallel for schedule(static) num_threads(threads)
