@@ -56,10 +56,10 @@ class StepCosts:
     (scheduling, sampling's bookkeeping, detokenizing), which depends on neither. Each is the
     least of its latest WINDOW samples per row count or depth: noise (another process, the
     VM's neighbours) only ever adds time, and a mean that caught a spike can keep the planner
-    off that row count for good, as it is then never tried again (on a noisy 2-core VM bench
-    spec's suffix at batch 1 once took 107 request-steps a run for answers that take 80 in
-    another). One never measured is estimated at the most measured below it (optimistic:
-    the planner tries it once, then knows)."""
+    off that row count for good, as it is then never tried again (the suspected cause when a
+    noisy 2-core VM once ran bench spec's suffix at batch 1 in 107 request-steps a run for
+    answers that other runs took in 80). One never measured is estimated at the most
+    measured below it (optimistic: the planner tries it once, then knows)."""
     forward: dict[int, float] = field(default_factory=dict)
     proposing: dict[int, float] = field(default_factory=dict)
     rest: float | None = None
