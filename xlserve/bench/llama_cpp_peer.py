@@ -82,6 +82,14 @@ def kv_bytes_per_token(gguf_path: str) -> int:
     return 2 * 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim
 
 
+def server_args(gguf_path: str, port: int, threads: int, n_ctx: int, slots: int, repack: bool = True) -> list[str]:
+    """``llama-server``'s command line on 127.0.0.1:``port`` with ``slots`` slots sharing one
+    ``n_ctx`` cache; ``repack`` False keeps the weights as stored (``REPACK``)."""
+    return [binary(), "-m", gguf_path, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+            "-tb", str(threads), "-c", str(n_ctx), "-np", str(slots), "--kv-unified", "--log-disable"] + (
+        [] if repack else ["--no-repack"])
+
+
 class LlamaServerSystem(System):
     """``llama-server`` on 127.0.0.1, driven through its native ``/completion`` API with token
     ids: greedy, ``ignore_eos``, no prompt cache unless the figure is the cache's."""
@@ -95,9 +103,8 @@ class LlamaServerSystem(System):
 
         from xlserve.launcher import free_port
         port = free_port()
-        args = [binary(), "-m", gguf_path, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-                "-tb", str(threads), "-c", str(n_ctx), "-np", str(slots), "--kv-unified", "-b", str(batch),
-                "-ub", str(batch), "-fa", flash_attn, "--log-disable"] + ([] if repack else ["--no-repack"])
+        args = server_args(gguf_path, port, threads, n_ctx, slots, repack) + [
+            "-b", str(batch), "-ub", str(batch), "-fa", flash_attn]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=peer_env())
         self.pid, self.flash_attn = self.proc.pid, flash_attn
         self.client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=1800,
