@@ -476,3 +476,44 @@ def test_a_spike_in_a_step_time_does_not_keep_the_planner_off_its_row_count():
     for _ in range(StepCosts.WINDOW):  # what the machine costs now, seen again and again
         costs.record(2, 1.5, 1.5)
     assert costs.estimate(2) == pytest.approx(1.5)
+
+
+def test_greedy_under_a_grammar_masks_only_rows_whose_argmax_it_forbids():
+    """The bit test (``GuidedDecoding.admits``) and the masked row (``verify`` through
+    ``_prepare``) pick the same tokens: rows whose argmax the grammar admits, rows whose
+    argmax it forbids, ties, a rejected proposal and an accepted run."""
+    from xlserve.engine.guided import GuidedDecoding
+    from xlserve.engine.request_sampling import RequestSampling
+    from xlserve.loader.tokenizer import load_model_tokenizer
+    from xlserve.sampling_params import GuidedSpec
+    tokenizer = load_model_tokenizer("default")
+    guided = GuidedDecoding(tokenizer, tokenizer.vocab_size)
+    params = SamplingParams(max_tokens=16, temperature=0, guided=GuidedSpec("regex", "(cat|dog)+[0-9]+"))
+    ids = {word: tokenizer.encode(word) for word in ("cat", "dog", "7", "x")}
+    assert all(len(v) == 1 for v in ids.values()), ids
+    cat, dog, seven, x = (ids[w][0] for w in ("cat", "dog", "7", "x"))
+    gen = torch.Generator().manual_seed(3)
+    for proposed, tops in (([cat, dog], [cat, x, seven]),  # the second row's argmax is forbidden
+                           ([cat, cat, dog], [cat, cat, dog, seven]),  # every proposal lands
+                           ([dog], [x, cat])):  # the first row's argmax is forbidden: rejected
+        rows = torch.randn(len(tops), tokenizer.vocab_size, generator=gen)
+        for i, top in enumerate(tops):
+            rows[i, top] = 50.0
+        rows[0, cat] = rows[0, dog] = rows[0].max()  # a tie between two admitted tokens
+        picked = []
+        for fast in (True, False):
+            sampling = RequestSampling(guided)
+            s = _scheduled_guided(params, proposed)
+            if fast:
+                picked.append(sampling._sample_rows(rows, s, rows.argmax(-1).tolist()))
+            else:
+                matcher = sampling._matcher(s)
+                picked.append(verify(rows, proposed, params, None, Sampler(),
+                                     lambda row, before: sampling._prepare(row, s, matcher, before),
+                                     matcher.consume_token))
+        assert picked[0] == picked[1], (proposed, picked)
+
+
+def _scheduled_guided(params, proposed):
+    from xlserve.engine.scheduler import ScheduledRequest
+    return ScheduledRequest("g", [1, *proposed], 0, [0], True, params, None, 0, num_proposed=len(proposed))

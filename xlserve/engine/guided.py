@@ -8,6 +8,7 @@ with no dependency on transformers, and computes a vocabulary bitmask in microse
 from __future__ import annotations
 
 import json
+import sys
 import threading
 
 import torch
@@ -73,6 +74,13 @@ class GuidedDecoding:
     def matcher(self, spec: GuidedSpec):
         from llguidance import LLMatcher
         return LLMatcher(self._ll_tokenizer(), self.grammar(spec))
+
+    @staticmethod
+    def admits(matcher, token: int) -> bool:
+        """Whether the grammar accepts ``token`` next: its bit of ``allowed``'s mask."""
+        word = token >> 5
+        mask = matcher.compute_bitmask()[4 * word:4 * word + 4]
+        return bool(int.from_bytes(mask, sys.byteorder) >> (token & 31) & 1)
 
     def allowed(self, matcher) -> torch.Tensor:
         """Boolean [vocab_size] mask of the tokens the grammar accepts next."""

@@ -13,7 +13,7 @@ import torch
 
 from xlserve.engine.errors import FATAL_ERRORS, RequestError, describe
 from xlserve.engine.guided import GuidedDecoding
-from xlserve.engine.sampler import Sampler, apply_penalties
+from xlserve.engine.sampler import Sampler, apply_penalties, greedy_token
 from xlserve.engine.scheduler import ScheduledRequest
 from xlserve.speculative.verifier import verify
 
@@ -57,13 +57,31 @@ class RequestSampling:
         """One token, or the proposals the rows confirm and the model's next (``verify``)."""
         proposed = s.token_ids[len(s.token_ids) - s.num_proposed:]
         params = s.params
-        if params.greedy and not params.logit_bias and not params.has_penalties and params.guided is None:
+        plain_greedy = params.greedy and not params.logit_bias and not params.has_penalties
+        if plain_greedy and params.guided is None:
             kept = next((i for i, (p, g) in enumerate(zip(proposed, greedy)) if p != g), len(proposed))
             return proposed[:kept] + [greedy[kept]]  # the argmaxes are at hand
         matcher = self._matcher(s) if params.guided is not None else None
+        if plain_greedy:
+            return self._greedy_guided(rows, s, matcher, proposed, greedy)
         return verify(rows, proposed, params, lambda i: self._generator(s, i), self.sampler,
                       lambda row, before: self._prepare(row, s, matcher, before),
                       matcher.consume_token if matcher is not None else lambda token: None)
+
+    def _greedy_guided(self, rows: torch.Tensor, s: ScheduledRequest, matcher, proposed: list[int],
+                       greedy: list[int]) -> list[int]:
+        """``verify``'s greedy rule under a grammar, masking only the rows that need it: where
+        the grammar admits a row's argmax (at hand), that first maximum is also the first among
+        the admitted tokens. A tool call's rows mostly do: masking every row cost ~0.2 ms (the
+        mask, the fill, torch's argmax over 49,152 logits), a bit test ~0.03."""
+        out: list[int] = []
+        for i, best in enumerate(greedy[:len(proposed) + 1]):
+            token = best if self.guided.admits(matcher, best) else greedy_token(self._prepare(rows[i], s, matcher, out))
+            matcher.consume_token(token)
+            out.append(token)
+            if i == len(proposed) or token != proposed[i]:
+                return out
+        return out
 
     def _prepare(self, row: torch.Tensor, s: ScheduledRequest, matcher, before: list[int]) -> torch.Tensor:
         """A row as the request's sampling sees it after ``before`` (the step's tokens so far):
