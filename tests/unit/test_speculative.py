@@ -431,10 +431,15 @@ def test_a_proposal_chains_forced_tokens_guesses_and_the_tokens_forced_after_the
 
 
 def _scheduled(req):
+    """The step that checks ``req``'s proposals."""
+    return _checking_row(req.request_id, req.params, req.all_token_ids[-1], req.spec_token_ids,
+                         req.num_computed_tokens, req.num_output_tokens)
+
+
+def _checking_row(request_id, params, last, proposed, start=0, output_index=0):
     from xlserve.engine.scheduler import ScheduledRequest
-    proposed = req.spec_token_ids
-    return ScheduledRequest(req.request_id, [req.all_token_ids[-1], *proposed], req.num_computed_tokens, [0], True,
-                            req.params, None, req.num_output_tokens, num_proposed=len(proposed))
+    return ScheduledRequest(request_id, [last, *proposed], start, [0], True, params, None, output_index,
+                            num_proposed=len(proposed))
 
 
 def test_a_new_request_starts_at_the_recent_rate_of_guesses():
@@ -503,17 +508,13 @@ def test_greedy_under_a_grammar_masks_only_rows_whose_argmax_it_forbids():
         picked = []
         for fast in (True, False):
             sampling = RequestSampling(guided)
-            s = _scheduled_guided(params, proposed)
+            s = _checking_row("g", params, 1, proposed)
             if fast:
                 picked.append(sampling._sample_rows(rows, s, rows.argmax(-1).tolist()))
             else:
                 matcher = sampling._matcher(s)
                 picked.append(verify(rows, proposed, params, None, Sampler(),
-                                     lambda row, before: sampling._prepare(row, s, matcher, before),
+                                     lambda row, before, sampling=sampling, s=s, matcher=matcher:
+                                     sampling._prepare(row, s, matcher, before),
                                      matcher.consume_token))
         assert picked[0] == picked[1], (proposed, picked)
-
-
-def _scheduled_guided(params, proposed):
-    from xlserve.engine.scheduler import ScheduledRequest
-    return ScheduledRequest("g", [1, *proposed], 0, [0], True, params, None, 0, num_proposed=len(proposed))
