@@ -116,9 +116,10 @@ void xl_dequant_rows(int type, const uint8_t* w, int64_t row_bytes, const int64_
 }
 
 /* out[m * ldo + r] = the lanes of acc[m * nw + r] summed, for m < mr and r < rows: every
- * kernel's epilogue, 16 sums a shuffle tree (vsums, the same bits as one vsum each). At 32
- * rows of the default model's Q4_1 shapes the one-at-a-time sums were a fifth of micro_4's
- * time (perf, the AMX Xeon): K is 576, so a dot is 36 FMAs and a reduction about 9 more. */
+ * kernel's epilogue, 16 sums a shuffle tree (vsums, the same bits as one vsum each). K is
+ * 576 in the default model, so a dot is 36 FMAs and a one-at-a-time reduction about 9 more
+ * instructions: perf put a fifth of micro_4's samples at 32 rows on them. The tree gained
+ * 3-6% at 8-32 rows of its Q4_1 shapes on the AMX Xeon (two builds interleaved). */
 static inline void store_sums(const vf* acc, int mr, int nw, int rows, float* out, int64_t ldo) {
   float s[32];
   vsums(acc, mr * nw, s);
