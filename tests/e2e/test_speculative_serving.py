@@ -1,7 +1,8 @@
-"""Speculative decoding in the served product (the default model, greedy): a worker and a
-prefill/decode pair with ``--speculative`` answer exactly as a plain worker, streamed tool
-calls included (a step that emits several tokens streams them as one delta; the call's
-grammar checks each proposal), and /metrics counts the proposed and accepted tokens."""
+"""Speculative decoding in the served product (the default model in its default
+configuration, greedy): a worker and a prefill/decode pair with ``--speculative`` answer
+exactly as a plain worker, streamed tool calls included (a step that emits several tokens
+streams them as one delta; the call's grammar checks each proposal), and /metrics counts
+the proposed and accepted tokens."""
 
 import json
 
@@ -11,7 +12,7 @@ from openai import OpenAI
 from tests.e2e.server_process import metric, running_server
 from tests.e2e.test_server import WEATHER_Q, WEATHER_TOOL
 
-COMMON = ("--dtype", "float32", "--log-level", "warning")
+COMMON = ("--log-level", "warning")
 CHATS = [[{"role": "user", "content": "Repeat exactly: red, green, blue, red, green, blue, red, green, blue"}],
          [{"role": "user", "content": "Write a haiku about the sea."}]]
 

@@ -1,8 +1,9 @@
 """Speculative decoding: the output is the model's, with or without proposals.
 
-Greedy tokens are identical with and without the n-gram proposer (alone, batched, chunked,
-with prefix hits, with a stop string inside a run of accepted tokens, with logprobs), the
-proposals are really checked and accepted, no block is left behind, and the accept rule
+Greedy tokens are identical with and without each proposer (alone, batched, chunked,
+with prefix hits, with a stop string inside a run of accepted tokens, with logprobs; tiny
+models in float32, the default model in its default configuration, whose bfloat16 rows do
+not depend on the batch), the proposals are really checked and accepted, no block is left behind, and the accept rule
 draws each token from exactly the model's distribution (chi-square over 20,000 draws)."""
 
 import json
@@ -79,13 +80,14 @@ def test_penalties_and_bias_see_the_tokens_before_each_proposal(tiny_model_dirs,
 
 
 def test_a_stop_string_inside_a_run_of_accepted_tokens_ends_the_answer_there():
-    """The default model asked to repeat a list: the stop string falls inside a step's run
-    of accepted tokens, and the answer ends where it ends without proposals."""
+    """The default model in its default configuration asked to repeat a list: the stop string
+    falls inside a step's run of accepted tokens, and the answer ends where it ends without
+    proposals."""
     prompt = "Repeat exactly: red, green, blue, red, green, blue, red, green, blue, red, green, blue"
     stop = SamplingParams(max_tokens=16, temperature=0, stop=["blue"])
     runs = {}
     for method in ("none", "ngram"):
-        with LLM("default", dtype="float32", speculative=method, num_speculative_tokens=6) as llm:
+        with LLM("default", speculative=method, num_speculative_tokens=6) as llm:
             if method == "none":
                 text = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0))[0].outputs[0].text
             out = llm.generate(prompt, stop)[0].outputs[0]
@@ -97,8 +99,8 @@ def test_a_stop_string_inside_a_run_of_accepted_tokens_ends_the_answer_there():
 
 
 def test_a_json_schema_answer_is_the_same_with_proposals():
-    """Guided decoding: the grammar masks each row after the proposals before it; a proposal
-    it forbids is rejected."""
+    """Guided decoding, the default model in its default configuration: the grammar masks each
+    row after the proposals before it; a proposal it forbids is rejected."""
     schema = {"type": "array", "minItems": 3, "items": {"type": "object", "required": ["name", "color"],
               "properties": {"name": {"type": "string"}, "color": {"type": "string"}}}}
     prompt = "Fruits and their colors as JSON: apple is red, banana is yellow, lime is green, plum is purple.\n"
@@ -106,7 +108,7 @@ def test_a_json_schema_answer_is_the_same_with_proposals():
     params = SamplingParams(max_tokens=60, temperature=0, guided=GuidedSpec("json_schema", json.dumps(schema)))
     runs = {}
     for method in ("none", "ngram"):
-        with LLM("default", dtype="float32", speculative=method) as llm:
+        with LLM("default", speculative=method) as llm:
             out = llm.generate(prompt, params)[0].outputs[0]
             runs[method] = (out.text, out.token_ids)
             stats = llm.engine.stats()
@@ -138,6 +140,37 @@ def test_tool_calls_are_the_same_with_chained_proposals():
     assert runs["suffix"] == runs["none"] and runs["none"][0] == runs["none"][1]
     assert any(head and guesses for head, guesses, _ in chains)  # guesses after a forced run were checked
     assert longest > 9  # more than the envelope's longest forced run landed at once
+
+
+@pytest.fixture(scope="module")
+def default_answers():
+    """The default model without proposals, in its default configuration: tool calls under
+    the forced-call grammar and free text, batched and one at a time."""
+    from xlserve.bench.spec_bench import tool_call_grammar, workloads
+    with LLM("default") as llm:
+        prompts = workloads(llm.tokenizer, 4)
+        work = [(prompts["tool_calls"], SamplingParams(max_tokens=40, temperature=0,
+                                                       guided=tool_call_grammar(llm.tokenizer))),
+                (prompts["free_text"], SamplingParams(max_tokens=40, temperature=0))]
+        return work, _batched_and_alone(llm, work)
+
+
+def _batched_and_alone(llm, work) -> list:
+    return [[[o.outputs[0].token_ids for o in llm.generate(ids, params)],
+             [llm.generate([p], params)[0].outputs[0].token_ids for p in ids]] for ids, params in work]
+
+
+@pytest.mark.parametrize("method,extra", [("ngram", {}), ("suffix", {}), ("eagle", {}),
+                                          ("draft", {"draft_model": "default"})])
+def test_every_proposer_answers_as_none_in_the_default_configuration(default_answers, method, extra):
+    """The promise users get: the default model in its default dtype, whose rows do not depend
+    on the batch, answers the same with each proposer, batched and alone (the draft is the
+    model itself, so its guesses land and long runs are checked)."""
+    work, expected = default_answers
+    with LLM("default", speculative=method, **extra) as llm:
+        assert _batched_and_alone(llm, work) == expected
+        stats = llm.engine.stats()
+    assert stats["spec_accepted_tokens"] > 0
 
 
 def test_seeded_sampling_with_proposals_is_reproducible(tiny_model_dirs):
