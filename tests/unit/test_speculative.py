@@ -517,9 +517,10 @@ def test_a_spike_in_a_step_time_does_not_keep_the_planner_off_its_row_count():
 
 
 def test_greedy_under_a_grammar_masks_only_rows_whose_argmax_it_forbids():
-    """The bit test (``GuidedDecoding.admits``) and the masked row (``verify`` through
-    ``_prepare``) pick the same tokens: rows whose argmax the grammar admits, rows whose
-    argmax it forbids, ties, a rejected proposal and an accepted run."""
+    """The bit test (``GuidedDecoding.admits``, then ``best_allowed`` where it fails) and the
+    masked row (``verify`` through ``_prepare``) pick the same tokens: rows whose argmax the
+    grammar admits, rows whose argmax it forbids, ties, a rejected proposal and an accepted
+    run."""
     from xlserve.engine.guided import GuidedDecoding
     from xlserve.engine.request_sampling import RequestSampling
     from xlserve.loader.tokenizer import load_model_tokenizer
@@ -537,6 +538,8 @@ def test_greedy_under_a_grammar_masks_only_rows_whose_argmax_it_forbids():
         rows = torch.randn(len(tops), tokenizer.vocab_size, generator=gen)
         for i, top in enumerate(tops):
             rows[i, top] = 50.0
+            if top == x:  # below the forbidden argmax, a tie between two admitted tokens
+                rows[i, cat] = rows[i, dog] = 40.0
         rows[0, cat] = rows[0, dog] = rows[0].max()  # a tie between two admitted tokens
         picked = []
         for fast in (True, False):

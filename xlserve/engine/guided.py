@@ -11,8 +11,11 @@ import json
 import sys
 import threading
 
+import numpy as np
 import torch
 
+from xlserve.engine.errors import RequestError
+from xlserve.engine.sampler import greedy_token
 from xlserve.json_schema import closed_objects
 from xlserve.loader.tokenizer import Tokenizer
 from xlserve.sampling_params import GuidedSpec
@@ -24,7 +27,6 @@ class GuidedDecoding:
         self.vocab_size = vocab_size
         self._lltok = None
         self._lock = threading.Lock()  # the tokenizer is built once, from any thread
-        self._bits = torch.arange(32, dtype=torch.int32)
 
     def _ll_tokenizer(self):
         with self._lock:
@@ -76,14 +78,32 @@ class GuidedDecoding:
         return LLMatcher(self._ll_tokenizer(), self.grammar(spec))
 
     @staticmethod
-    def admits(matcher, token: int) -> bool:
-        """Whether the grammar accepts ``token`` next: its bit of ``allowed``'s mask."""
+    def admits(bitmask: bytes, token: int) -> bool:
+        """Whether the grammar accepts ``token`` next: its bit of the matcher's
+        ``compute_bitmask()`` (32-bit words in the machine's order). llguidance's
+        ``validate_tokens`` is 50 times cheaper but not the same question: it admits
+        tokenizations the mask forbids (``t`` where the grammar forces ``tool_call``)."""
         word = token >> 5
-        mask = matcher.compute_bitmask()[4 * word:4 * word + 4]
-        return bool(int.from_bytes(mask, sys.byteorder) >> (token & 31) & 1)
+        return bool(int.from_bytes(bitmask[4 * word:4 * word + 4], sys.byteorder) >> (token & 31) & 1)
 
-    def allowed(self, matcher) -> torch.Tensor:
+    def allowed(self, matcher, bitmask: bytes | None = None) -> torch.Tensor:
         """Boolean [vocab_size] mask of the tokens the grammar accepts next."""
-        words = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
-        bits = (words.unsqueeze(1) >> self._bits) & 1
-        return bits.reshape(-1)[: self.vocab_size].bool()
+        return torch.from_numpy(self._bits(matcher.compute_bitmask() if bitmask is None else bitmask))
+
+    def best_allowed(self, bitmask: bytes, row: torch.Tensor) -> int:
+        """The first maximum of float32 ``row`` among the tokens ``bitmask`` admits (greedy's
+        token under the grammar; a RequestError if it admits none). On the CPU in numpy,
+        where the torch mask, fill, check and argmax took about 200 us a 49,152-token row."""
+        bits = self._bits(bitmask)
+        if row.device.type != "cpu":
+            return greedy_token(row.masked_fill(~torch.from_numpy(bits).to(row.device), float("-inf")))
+        values = np.where(bits, row.numpy(), -np.inf)
+        best = int(values.argmax())
+        if values[best] == -np.inf:
+            raise RequestError("no token is allowed next (every logit is masked)")
+        return best
+
+    def _bits(self, bitmask: bytes) -> np.ndarray:
+        """The bitmask's words as one bool per token (bit t of word w is token 32 w + t)."""
+        little = np.frombuffer(bitmask, dtype=np.uint32).astype("<u4", copy=False).view(np.uint8)
+        return np.unpackbits(little, bitorder="little", count=self.vocab_size).view(bool)

@@ -13,7 +13,7 @@ import torch
 
 from xlserve.engine.errors import FATAL_ERRORS, RequestError, describe
 from xlserve.engine.guided import GuidedDecoding
-from xlserve.engine.sampler import Sampler, apply_penalties, greedy_token
+from xlserve.engine.sampler import Sampler, apply_penalties
 from xlserve.engine.scheduler import ScheduledRequest
 from xlserve.speculative.verifier import verify
 
@@ -72,11 +72,12 @@ class RequestSampling:
                        greedy: list[int]) -> list[int]:
         """``verify``'s greedy rule under a grammar, masking only the rows that need it: where
         the grammar admits a row's argmax (at hand), that first maximum is also the first among
-        the admitted tokens. A tool call's rows mostly do: masking every row cost ~0.2 ms (the
-        mask, the fill, torch's argmax over 49,152 logits), a bit test ~0.03."""
+        the admitted tokens; where not, the first maximum among them (``best_allowed``). One
+        mask a row (``compute_bitmask``, about 18 us)."""
         out: list[int] = []
         for i, best in enumerate(greedy[:len(proposed) + 1]):
-            token = best if self.guided.admits(matcher, best) else greedy_token(self._prepare(rows[i], s, matcher, out))
+            bitmask = matcher.compute_bitmask()
+            token = best if self.guided.admits(bitmask, best) else self.guided.best_allowed(bitmask, rows[i])
             matcher.consume_token(token)
             out.append(token)
             if i == len(proposed) or token != proposed[i]:
