@@ -11,6 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
+# How generated JSON is laid out (llguidance's JSON options): one fixed separator each, with
+# the space json.dumps writes, so a model cannot pad with whitespace until max_tokens and
+# writes JSON as it reads it: the tool calls and tool listings in its prompt are rendered
+# with json.dumps or a template's tojson, both ", " and ": ", and prompt lookup then finds an
+# earlier call's arguments. Without the spaces (llguidance's default), the default model's
+# forced calls to 24 agent asks were complete in 20 (21 with them).
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
 # where a schema holds subschemas: by name, in a list, or as one
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")

@@ -44,7 +44,7 @@ def test_the_grammar_of_a_closed_object_ends_it_after_its_only_property():
     guided = GuidedDecoding(tokenizer, tokenizer.vocab_size)
     for schema, other_key in ((PATH, False), ({**PATH, "additionalProperties": True}, True)):
         matcher = LLMatcher(guided._ll_tokenizer(), guided.grammar(GuidedSpec("json_schema", json.dumps(schema))))
-        assert matcher.consume_tokens(tokenizer.encode('{"path":"a.txt"')), matcher.get_error()
+        assert matcher.consume_tokens(tokenizer.encode('{"path": "a.txt"')), matcher.get_error()
         allowed = guided.allowed(matcher)
         assert allowed[tokenizer.encode("}")[0]]
         assert bool(allowed[tokenizer.encode(",")[0]]) is other_key

@@ -177,3 +177,21 @@ def test_a_forced_call_names_the_special_markers_by_token_id(name):
     guided.validate(spec)
     first = guided.allowed(guided.matcher(spec)).nonzero().flatten().tolist()
     assert first == [ids[plain.section]]
+
+
+def test_forced_arguments_are_laid_out_as_the_prompt_shows_calls():
+    """A forced call's arguments take json.dumps' separators, the layout the conversation
+    renders earlier calls in (``openai/conversation.py``), and no other whitespace."""
+    from xlserve.engine.guided import GuidedDecoding
+    from xlserve.loader.tokenizer import load_model_tokenizer
+    tokenizer = load_model_tokenizer("default")
+    guided = GuidedDecoding(tokenizer, tokenizer.vocab_size)
+    tools = [{"type": "function", "function": {"name": "move", "parameters": {
+        "type": "object", "properties": {"src": {"type": "string"}, "dst": {"type": "string"}}}}}]
+    spec = get_tool_parser("hermes").forced_call_grammar(tools, None, parallel=False)
+    arguments = {"src": "a.txt", "dst": "b.txt"}
+    for layout, admitted in ((json.dumps(arguments), True), (json.dumps(arguments, separators=(",", ":")), False),
+                             (json.dumps(arguments, indent=1), False)):
+        call = '<tool_call>\n{"name": "move", "arguments": ' + layout + '}\n</tool_call>'
+        ids = tokenizer.encode(call)
+        assert (guided.matcher(spec).try_consume_tokens(ids) == len(ids)) is admitted, layout

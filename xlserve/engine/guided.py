@@ -16,7 +16,7 @@ import torch
 
 from xlserve.engine.errors import RequestError
 from xlserve.engine.sampler import greedy_token
-from xlserve.json_schema import closed_objects
+from xlserve.json_schema import JSON_LAYOUT, closed_objects
 from xlserve.loader.tokenizer import Tokenizer
 from xlserve.sampling_params import GuidedSpec
 
@@ -45,8 +45,7 @@ class GuidedDecoding:
                 schema = json.loads(spec.spec)
             except json.JSONDecodeError as e:
                 raise ValueError(f"the JSON schema is not valid JSON: {e}") from e
-            # Compact JSON (", " and ": "): flexible whitespace lets a model pad until max_tokens.
-            return LLMatcher.grammar_from_json_schema(closed_objects(schema), defaults={"whitespace_flexible": False})
+            return LLMatcher.grammar_from_json_schema(closed_objects(schema), defaults=JSON_LAYOUT)
         if spec.kind == "lark":
             return LLMatcher.grammar_from_lark(spec.spec)
         return LLMatcher.grammar_from_regex(spec.spec)

@@ -16,11 +16,9 @@ import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from xlserve.json_schema import closed_objects
+from xlserve.json_schema import JSON_LAYOUT, closed_objects
 from xlserve.markers import pending_marker_length
 from xlserve.sampling_params import GuidedSpec
-
-COMPACT_JSON = {"whitespace_flexible": False}  # no whitespace for a model to pad with until max_tokens
 
 
 def new_call_id() -> str:
@@ -128,7 +126,7 @@ class ToolParser(ABC):
         if not chosen:
             raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
         calls = [self.call_rule(t["function"]["name"], json.dumps({**closed_objects(t["function"].get("parameters") or {
-            "type": "object"}), "x-guidance": COMPACT_JSON})) for t in chosen]
+            "type": "object"}), "x-guidance": JSON_LAYOUT})) for t in chosen]
         return GuidedSpec("lark", f"{self.calls_rule(parallel)}\ncall: {' | '.join(calls)}\n")
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
