@@ -28,8 +28,8 @@ SHIPPED = Path(__file__).parent / "heads"
 # guess costs about 4% of a default-model decode step and its checking row as much again,
 # so one right less than a third of the time does not pay for itself.
 MIN_CONFIDENCE = 0.3
-# the default model's head: ``xlserve train-eagle --out <this path>`` (its defaults), 667 s on
-# 2 cores; held-out top-1 0.66 / 0.66 / 0.65 at guess depths 1-3 (docs/benchmarks.md)
+# the default model's head: ``xlserve train-eagle --out <this path>`` (its defaults), 365 s on
+# 2 cores; held-out top-1 0.68 / 0.68 / 0.67 at guess depths 1-3 (docs/benchmarks.md)
 DEFAULT_HEAD = SHIPPED / "smollm2-135m-instruct.eagle.safetensors"
 
 
