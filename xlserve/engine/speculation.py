@@ -118,7 +118,10 @@ class Speculation:
                 rooms.append(len(chain.forced))
             if room > len(chain.forced) and (not chain.forced or self.proposer.guesses_ahead):
                 chain.guess_entry = len(lengths)
-                lengths.append(self.draft_lengths.setdefault(req.request_id, self._new_length()))
+                length = self.draft_lengths.get(req.request_id)
+                if length is None:
+                    length = self.draft_lengths[req.request_id] = self._new_length()
+                lengths.append(length)
                 chain.rate = lengths[-1].rate
                 rooms.append(room - len(chain.forced))
             chains.append(chain)
