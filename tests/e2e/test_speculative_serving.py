@@ -6,6 +6,7 @@ the proposed and accepted tokens."""
 
 import json
 
+import httpx
 import pytest
 from openai import OpenAI
 
@@ -57,6 +58,7 @@ def test_a_speculating_decode_worker_answers_as_a_plain_worker(reference):
     """The decode worker rebuilds what the n-gram proposer needs from the handed-off tokens."""
     with running_server(*COMMON, "--speculative", "ngram", command="serve") as url:
         assert _answers(url) == reference
+        assert _decode_worker_accepted(url) > 0
 
 
 def test_an_eagle_decode_worker_answers_as_a_plain_worker(reference):
@@ -64,3 +66,18 @@ def test_an_eagle_decode_worker_answers_as_a_plain_worker(reference):
     of the head's keys starts at the hand-off) and on the prefill worker's first token."""
     with running_server(*COMMON, "--speculative", "eagle", command="serve") as url:
         assert _answers(url) == reference
+        assert _decode_worker_accepted(url) > 0
+
+
+def test_a_draft_model_decode_worker_answers_as_a_plain_worker(reference):
+    """The draft model (the default model as its own draft) keeps its own paged KV: on the
+    decode worker it computes the handed-off prompt's draft KV before its first guesses."""
+    with running_server(*COMMON, "--speculative", "draft", "--draft-model", "default", command="serve") as url:
+        assert _answers(url) == reference
+        assert _decode_worker_accepted(url) > 0
+
+
+def _decode_worker_accepted(url: str) -> float:
+    """Proposals the decode worker behind ``serve``'s router accepted: it speculated itself."""
+    decode = next(w["url"] for w in httpx.get(f"{url}/router/workers").json() if w["role"] == "decode")
+    return metric(decode, "xlserve_spec_decode_accepted_tokens_total")
