@@ -85,9 +85,9 @@ class GuidedDecoding:
         word = token >> 5
         return bool(int.from_bytes(bitmask[4 * word:4 * word + 4], sys.byteorder) >> (token & 31) & 1)
 
-    def allowed(self, matcher, bitmask: bytes | None = None) -> torch.Tensor:
+    def allowed(self, matcher) -> torch.Tensor:
         """Boolean [vocab_size] mask of the tokens the grammar accepts next."""
-        return torch.from_numpy(self._bits(matcher.compute_bitmask() if bitmask is None else bitmask))
+        return torch.from_numpy(self._bits(matcher.compute_bitmask()))
 
     def best_allowed(self, bitmask: bytes, row: torch.Tensor) -> int:
         """The first maximum of float32 ``row`` among the tokens ``bitmask`` admits (greedy's
