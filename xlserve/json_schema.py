@@ -9,6 +9,7 @@ knows where an object ends. A schema that wants other properties says so:
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 # How generated JSON is laid out (llguidance's JSON options): one fixed separator each, with
@@ -17,7 +18,7 @@ from typing import Any
 # with json.dumps or a template's tojson, both ", " and ": ", and prompt lookup then finds an
 # earlier call's arguments. Without the spaces (llguidance's default), the default model's
 # forced calls to 24 agent asks were complete in 20 (21 with them).
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_LAYOUT = MappingProxyType({"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
 
 # where a schema holds subschemas: by name, in a list, or as one
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")

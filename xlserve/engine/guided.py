@@ -45,7 +45,7 @@ class GuidedDecoding:
                 schema = json.loads(spec.spec)
             except json.JSONDecodeError as e:
                 raise ValueError(f"the JSON schema is not valid JSON: {e}") from e
-            return LLMatcher.grammar_from_json_schema(closed_objects(schema), defaults=JSON_LAYOUT)
+            return LLMatcher.grammar_from_json_schema(closed_objects(schema), defaults=dict(JSON_LAYOUT))
         if spec.kind == "lark":
             return LLMatcher.grammar_from_lark(spec.spec)
         return LLMatcher.grammar_from_regex(spec.spec)

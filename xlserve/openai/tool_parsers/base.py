@@ -126,7 +126,7 @@ class ToolParser(ABC):
         if not chosen:
             raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
         calls = [self.call_rule(t["function"]["name"], json.dumps({**closed_objects(t["function"].get("parameters") or {
-            "type": "object"}), "x-guidance": JSON_LAYOUT})) for t in chosen]
+            "type": "object"}), "x-guidance": dict(JSON_LAYOUT)})) for t in chosen]
         return GuidedSpec("lark", f"{self.calls_rule(parallel)}\ncall: {' | '.join(calls)}\n")
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
