@@ -71,6 +71,11 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def workers_by_role(router: str) -> dict[str, str]:
+    """The URL of each role's worker behind ``router`` (``xlserve serve``'s prefill and decode)."""
+    return {w["role"]: w["url"] for w in httpx.get(f"{router}/router/workers").json()}
+
+
 def metric(url: str, name: str) -> float:
     for line in httpx.get(f"{url}/metrics").text.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):

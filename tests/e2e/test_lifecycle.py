@@ -10,13 +10,9 @@ import openai
 import psutil
 import pytest
 
-from tests.e2e.server_process import PROCESSES, metric, metric_value, running_server
+from tests.e2e.server_process import PROCESSES, metric, metric_value, running_server, workers_by_role
 
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def _workers(url: str) -> dict[str, str]:
-    return {w["role"]: w["url"] for w in httpx.get(f"{url}/router/workers").json()}
 
 
 def _gone_within(pids: list[int], seconds: float) -> bool:
@@ -35,7 +31,7 @@ def serve():
 
 
 def test_a_stream_cancelled_after_3_chunks_is_gone_from_the_decode_worker_within_1s(serve):
-    decode = _workers(serve)["decode"]
+    decode = workers_by_role(serve)["decode"]
     aborted_before = metric_value(serve, "xlserve_request_success_total", finished_reason="abort")
     client = openai.OpenAI(base_url=f"{serve}/v1", api_key="none", max_retries=0)
     stream = client.chat.completions.create(model=MODEL, stream=True, max_tokens=2000,

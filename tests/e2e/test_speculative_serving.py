@@ -6,11 +6,10 @@ the proposed and accepted tokens."""
 
 import json
 
-import httpx
 import pytest
 from openai import OpenAI
 
-from tests.e2e.server_process import metric, running_server
+from tests.e2e.server_process import metric, running_server, workers_by_role
 from tests.e2e.test_server import WEATHER_Q, WEATHER_TOOL
 
 COMMON = ("--log-level", "warning")
@@ -79,5 +78,4 @@ def test_a_draft_model_decode_worker_answers_as_a_plain_worker(reference):
 
 def _decode_worker_accepted(url: str) -> float:
     """Proposals the decode worker behind ``serve``'s router accepted: it speculated itself."""
-    decode = next(w["url"] for w in httpx.get(f"{url}/router/workers").json() if w["role"] == "decode")
-    return metric(decode, "xlserve_spec_decode_accepted_tokens_total")
+    return metric(workers_by_role(url)["decode"], "xlserve_spec_decode_accepted_tokens_total")

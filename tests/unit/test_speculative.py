@@ -117,6 +117,12 @@ def test_a_json_schema_answer_is_the_same_with_proposals():
     assert stats["spec_accepted_tokens"] > 0
 
 
+def _batched_and_alone(llm, work) -> list:
+    """For each (prompts, params) of ``work``: the answers' tokens batched, then one at a time."""
+    return [[[o.outputs[0].token_ids for o in llm.generate(ids, params)],
+             [llm.generate([p], params)[0].outputs[0].token_ids for p in ids]] for ids, params in work]
+
+
 def test_tool_calls_are_the_same_with_chained_proposals():
     """A forced tool call in the default configuration: the grammar's envelope and an argument
     guessed from an earlier answer (suffix) checked in one step where each took one of its
@@ -134,8 +140,7 @@ def test_tool_calls_are_the_same_with_chained_proposals():
             speculation._fill = spy
             prompts = workloads(llm.tokenizer, 4)["tool_calls"]
             params = SamplingParams(max_tokens=48, temperature=0, guided=tool_call_grammar(llm.tokenizer))
-            batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-            runs[method] = [batched, [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]]
+            runs[method] = _batched_and_alone(llm, [(prompts, params)])[0]
             longest = max(speculation.stats.lengths, default=0)
     assert runs["suffix"] == runs["none"] and runs["none"][0] == runs["none"][1]
     assert any(head and guesses for head, guesses, _ in chains)  # guesses after a forced run were checked
@@ -153,11 +158,6 @@ def default_answers():
                                                        guided=tool_call_grammar(llm.tokenizer))),
                 (prompts["free_text"], SamplingParams(max_tokens=40, temperature=0))]
         return work, _batched_and_alone(llm, work)
-
-
-def _batched_and_alone(llm, work) -> list:
-    return [[[o.outputs[0].token_ids for o in llm.generate(ids, params)],
-             [llm.generate([p], params)[0].outputs[0].token_ids for p in ids]] for ids, params in work]
 
 
 @pytest.mark.parametrize("method,extra", [("ngram", {}), ("suffix", {}), ("eagle", {}),
