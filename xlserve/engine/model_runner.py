@@ -16,7 +16,7 @@ from xlserve.engine.cuda_graph import DecodeGraphs
 from xlserve.engine.decode_plan import DecodePath, StepShape, plan_decode
 from xlserve.engine.guided import GuidedDecoding
 from xlserve.engine.kv_groups import KVGroup, plan_groups
-from xlserve.engine.request_sampling import RequestSampling
+from xlserve.engine.request_sampling import GrammarRows, RequestSampling
 from xlserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from xlserve.kernels import cpu_ops, portable_library
 from xlserve.layers.attention import AttentionMetadata, PrefillChunk, additive_mask, host_decode_context
@@ -84,7 +84,7 @@ class ModelRunner:
         self.keep_hidden = False  # an EAGLE head reads the hidden states: each step returns them
         self.graphs = None
         # graphs do not capture the ranks' collectives
-        single = self.tp.size == 1 and self.stage.count == 1 and not self.exchange.active
+        single = self.single_rank = self.tp.size == 1 and self.stage.count == 1 and not self.exchange.active
         if cuda_graphs and self.device.type == "cuda" and not self.kv_plan.windowed and single:  # group 0 only
             self.graphs = DecodeGraphs(self.model, self.device, self.dtype, block_size, num_blocks,
                                        max_context or arch.max_position_embeddings)
@@ -233,13 +233,16 @@ class ModelRunner:
             logits = self.graphs.logits([s.token_ids[0] for s in rows], [s.start_position for s in rows],
                                         [s.block_ids for s in rows])
             return self._sample(logits[:len(rows)], output.scheduled, path)
+        grammar = None
         if self.announce is not None:  # every rank runs the forward, or none can go on
             with out_of_step():
                 self.announce(output, path, cpu_kernels)
                 logits, sampling = self._forward(output.scheduled, path, cpu_kernels)
-        else:
-            logits, sampling = self._forward(output.scheduled, path, cpu_kernels)
-        out = RunnerOutput(decode_path=path) if logits is None else self._sample(logits, sampling, path)
+        else:  # one rank: rows its grammars decide alone skip the head (rank 0 alone holds the matchers)
+            grammar = self.sampling.grammar_rows([s for s in output.scheduled if s.sample]) \
+                if self.single_rank else GrammarRows()
+            logits, sampling = self._forward(output.scheduled, path, cpu_kernels, grammar.fixed)
+        out = RunnerOutput(decode_path=path) if logits is None else self._sample(logits, sampling, path, grammar)
         if self.keep_hidden:
             rows = torch.tensor([0] + [len(s.token_ids) for s in output.scheduled]).cumsum(0).tolist()
             out.hidden.update({s.request_id: self.last_hidden[start:end]
@@ -273,9 +276,10 @@ class ModelRunner:
         logits = exchange.gather_logits(logits, counts, self.arch.vocab_size, self.device)
         return logits, [s for chunks in sampling for s in chunks], path
 
-    def _forward(self, scheduled: list[ScheduledRequest], path: DecodePath,
-                 cpu_kernels: bool) -> tuple[torch.Tensor | None, list[ScheduledRequest]]:
-        """The step's forward; the logits of the rows that sample (None: none does)."""
+    def _forward(self, scheduled: list[ScheduledRequest], path: DecodePath, cpu_kernels: bool,
+                 fixed: dict[int, int] | None = None) -> tuple[torch.Tensor | None, list[ScheduledRequest]]:
+        """The step's forward; the logits of the rows that sample (None: none does); ``fixed``:
+        ``GrammarRows.fixed``, sampling rows that get a stand-in instead of the head's logits."""
         if self.stage.count > 1:
             return self._forward_stages(scheduled, path, cpu_kernels)
         hidden, sampling, rows = self._run_layers(scheduled, path, cpu_kernels)
@@ -283,7 +287,20 @@ class ModelRunner:
             self.last_hidden = hidden
         if not sampling:
             return None, []
-        return self.model.compute_logits(hidden[rows]), sampling
+        return self._logits(hidden, rows, fixed or {}), sampling
+
+    def _logits(self, hidden: torch.Tensor, rows: torch.Tensor, fixed: dict[int, int]) -> torch.Tensor:
+        """The head on the sampling ``rows`` of ``hidden``, but where ``fixed`` gives a row's
+        token: that row is 0 there and -inf elsewhere (its argmax, the grammar's one token), as
+        the head's row would be after the grammar's mask."""
+        if not fixed:
+            return self.model.compute_logits(hidden[rows])
+        logits = torch.full((len(rows), self.arch.vocab_size), float("-inf"), device=self.device)
+        computed = [i for i in range(len(rows)) if i not in fixed]
+        if computed:
+            logits[computed] = self.model.compute_logits(hidden[rows[computed]])
+        logits[list(fixed), list(fixed.values())] = 0.0
+        return logits
 
     def _run_layers(self, scheduled: list[ScheduledRequest], path: DecodePath, cpu_kernels: bool,
                     hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, list[ScheduledRequest], torch.Tensor]:
@@ -334,9 +351,9 @@ class ModelRunner:
                 and self.graphs.supports(len(scheduled), max(s.start_position for s in scheduled) + 1))
 
     def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest],
-                path: DecodePath | None = None) -> RunnerOutput:
+                path: DecodePath | None = None, grammar: GrammarRows | None = None) -> RunnerOutput:
         out = RunnerOutput(decode_path=path)
-        self.sampling.sample(logits, requests, out.sampled, out.logprobs, out.errors)
+        self.sampling.sample(logits, requests, out.sampled, out.logprobs, out.errors, grammar)
         return out
 
 

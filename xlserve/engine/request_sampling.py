@@ -8,6 +8,8 @@ over prefill and decode workers.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
@@ -16,6 +18,19 @@ from xlserve.engine.guided import GuidedDecoding
 from xlserve.engine.sampler import Sampler, apply_penalties
 from xlserve.engine.scheduler import ScheduledRequest
 from xlserve.speculative.verifier import verify
+
+
+@dataclass(frozen=True)
+class GrammarRows:
+    """What a step's grammars decide before the head runs (``RequestSampling.grammar_rows``).
+
+    ``masks``: request id -> the masks of its rows in order (row i's after the step's first i
+    proposals), walked while the proposals stand. ``fixed``: sampling row (its index among
+    the step's logits) -> the one token that row can give, for rows that need no logits: the
+    grammar admits a single token there, or the row lies past a proposal the grammar forbids
+    and is never read. Holds only for plain greedy requests without logprobs."""
+    masks: dict[str, list[bytes]] = field(default_factory=dict)
+    fixed: dict[int, int] = field(default_factory=dict)
 
 
 class RequestSampling:
@@ -30,10 +45,54 @@ class RequestSampling:
         self.generators.pop(request_id, None)
         self.matchers.pop(request_id, None)
 
+    def grammar_rows(self, requests: list[ScheduledRequest]) -> GrammarRows:
+        """Before the head: the masks of each plain greedy request under a grammar (without
+        logprobs) along its proposals, and the rows whose token they fix alone. On the agentic
+        workload's forced tool calls the default model's grammar admits one token at 75% of
+        the answers' positions (the envelope, the keys, the separators), so those rows skip the
+        head (49,152 x 576 multiply-adds a row) and its argmax. A request whose walk fails is
+        left to ``sample``, which reports it."""
+        out, first = GrammarRows(), 0
+        for s in requests:
+            rows = range(first, first + 1 + s.num_proposed)
+            first = rows.stop
+            params = s.params
+            if params.guided is None or not _plain_greedy(params) or params.logprobs is not None:
+                continue
+            matcher, consumed, walked = None, 0, []
+            proposed = s.token_ids[len(s.token_ids) - s.num_proposed:]
+            try:
+                matcher = self._matcher(s)
+                for i, row in enumerate(rows):
+                    walked.append(matcher.compute_bitmask())
+                    only = self.guided.only_token(walked[-1])
+                    if only is not None:
+                        out.fixed[row] = only
+                    if i == len(proposed) or not self.guided.admits(walked[-1], proposed[i]):
+                        out.fixed.update((r, 0) for r in rows[i + 1:])  # never read: greedy parts here
+                        break
+                    if not matcher.consume_token(proposed[i]):
+                        raise RequestError(f"the grammar refused the token {proposed[i]} it admitted")
+                    consumed += 1
+            except FATAL_ERRORS:
+                raise
+            except Exception:  # noqa: BLE001 - ``sample`` meets the same fault and attributes it
+                for r in rows:
+                    out.fixed.pop(r, None)
+                continue
+            finally:
+                if consumed:
+                    matcher.rollback(consumed)
+            out.masks[s.request_id] = walked
+        return out
+
     def sample(self, logits: torch.Tensor, requests: list[ScheduledRequest],
-               sampled: dict[str, list[int]], logprobs: dict[str, list[dict]], errors: dict[str, str]) -> None:
+               sampled: dict[str, list[int]], logprobs: dict[str, list[dict]], errors: dict[str, str],
+               grammar: GrammarRows | None = None) -> None:
         """Each request's tokens from its rows (one, or one more than its proposals) into
-        ``sampled`` (and ``logprobs``); a row that fails ends only its own request (``errors``)."""
+        ``sampled`` (and ``logprobs``); a row that fails ends only its own request (``errors``).
+        ``grammar``: ``grammar_rows`` of these requests, when the head ran after it."""
+        masks = grammar.masks if grammar is not None else {}
         greedy, finite = _greedy_tokens(logits)
         first = 0
         for s in requests:
@@ -42,7 +101,8 @@ class RequestSampling:
             try:
                 if not all(finite[i] for i in rows):
                     raise RequestError("the model produced non-finite logits for this request")
-                tokens = self._sample_rows(logits[rows.start:rows.stop], s, greedy[rows.start:rows.stop])
+                tokens = self._sample_rows(logits[rows.start:rows.stop], s, greedy[rows.start:rows.stop],
+                                           masks.get(s.request_id, []))
             except FATAL_ERRORS:
                 raise
             except Exception as e:  # noqa: BLE001 - attributed to this request alone
@@ -53,30 +113,32 @@ class RequestSampling:
                 logprobs[s.request_id] = [self.sampler.logprobs(logits[i], token, s.params.logprobs)
                                           for i, token in zip(rows, tokens)]
 
-    def _sample_rows(self, rows: torch.Tensor, s: ScheduledRequest, greedy: list[int]) -> list[int]:
+    def _sample_rows(self, rows: torch.Tensor, s: ScheduledRequest, greedy: list[int],
+                     masks: list[bytes] = ()) -> list[int]:
         """One token, or the proposals the rows confirm and the model's next (``verify``)."""
         proposed = s.token_ids[len(s.token_ids) - s.num_proposed:]
         params = s.params
-        plain_greedy = params.greedy and not params.logit_bias and not params.has_penalties
+        plain_greedy = _plain_greedy(params)
         if plain_greedy and params.guided is None:
             kept = next((i for i, (p, g) in enumerate(zip(proposed, greedy)) if p != g), len(proposed))
             return proposed[:kept] + [greedy[kept]]  # the argmaxes are at hand
         matcher = self._matcher(s) if params.guided is not None else None
         if plain_greedy:
-            return self._greedy_guided(rows, s, matcher, proposed, greedy)
+            return self._greedy_guided(rows, matcher, proposed, greedy, masks)
         return verify(rows, proposed, params, lambda i: self._generator(s, i), self.sampler,
                       lambda row, before: self._prepare(row, s, matcher, before),
                       matcher.consume_token if matcher is not None else lambda token: None)
 
-    def _greedy_guided(self, rows: torch.Tensor, s: ScheduledRequest, matcher, proposed: list[int],
-                       greedy: list[int]) -> list[int]:
+    def _greedy_guided(self, rows: torch.Tensor, matcher, proposed: list[int], greedy: list[int],
+                       masks: list[bytes]) -> list[int]:
         """``verify``'s greedy rule under a grammar, masking only the rows that need it: where
         the grammar admits a row's argmax (at hand), that first maximum is also the first among
         the admitted tokens; where not, the first maximum among them (``best_allowed``). One
-        mask a row (``compute_bitmask``, about 18 us)."""
+        mask a row (``compute_bitmask``, about 18 us), or the one ``grammar_rows`` walked: the
+        same state, as this walk follows the same proposals."""
         out: list[int] = []
         for i, best in enumerate(greedy[:len(proposed) + 1]):
-            bitmask = matcher.compute_bitmask()
+            bitmask = masks[i] if i < len(masks) else matcher.compute_bitmask()
             token = best if self.guided.admits(bitmask, best) else self.guided.best_allowed(bitmask, rows[i])
             matcher.consume_token(token)
             out.append(token)
@@ -137,6 +199,12 @@ class RequestSampling:
         base, gen = entry
         gen.manual_seed(_mix(base, s.output_index + offset))
         return gen
+
+
+def _plain_greedy(params) -> bool:
+    """Greedy with nothing that moves the logits: the argmax (under a grammar, among the
+    admitted tokens) is the token."""
+    return params.greedy and not params.logit_bias and not params.has_penalties
 
 
 def _greedy_tokens(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
