@@ -20,9 +20,8 @@ def tokenizer():
     return load_model_tokenizer("default")
 
 
-def _row(request_id, params, proposed, last=0):
-    return ScheduledRequest(request_id, [last, *proposed], 0, [0], True, params, None, 0,
-                            num_proposed=len(proposed))
+def _row(request_id, params, proposed, seed=None):
+    return ScheduledRequest(request_id, [0, *proposed], 0, [0], True, params, seed, 0, num_proposed=len(proposed))
 
 
 def test_the_rows_a_grammar_decides_alone_are_fixed_and_the_matcher_is_left_as_it_was(tokenizer):
@@ -34,40 +33,44 @@ def test_the_rows_a_grammar_decides_alone_are_fixed_and_the_matcher_is_left_as_i
     requests = [_row("landing", greedy, [dog, says, hello, seven]),  # rows 0-4
                 _row("refused", greedy, [dog, hello, seven]),  # rows 5-8: " hello" is forbidden after "dog"
                 _row("logprobs", SamplingParams(max_tokens=8, temperature=0, guided=REGEX, logprobs=2), [dog, says]),
-                _row("sampled", SamplingParams(max_tokens=8, temperature=1.0, guided=REGEX), [dog, says])]
+                _row("sampled", SamplingParams(max_tokens=8, temperature=1.0, guided=REGEX), [dog, says], seed=3)]
     before = {s.request_id: sampling._matcher(s).compute_bitmask() for s in requests}
     rows = sampling.grammar_rows(requests)
     # " says" and " hello" are the only tokens after "dog" and "dog says"; the first row may be
     # "cat", "dog" or their prefixes, a digit row any digit; past a refused proposal nothing is read
-    assert rows.fixed == {1: says, 2: hello, 6: says, 7: 0, 8: 0}
-    assert [len(rows.masks[r]) for r in ("landing", "refused")] == [5, 2]
-    assert set(rows.masks) == {"landing", "refused"}  # logprobs need the head; a draw is not greedy
+    assert rows.fixed == {1: says, 2: hello, 6: says, 7: 0, 8: 0, 13: says, 14: hello}  # a draw too
+    assert [len(rows.masks[r]) for r in ("landing", "refused", "sampled")] == [5, 2, 3]
+    assert "logprobs" not in rows.masks  # logprobs need the head
     assert all(sampling._matcher(s).compute_bitmask() == before[s.request_id] for s in requests)
 
-    # the stand-ins and the head's rows pick the same tokens, from the masks walked before the head
-    logits = torch.randn(9, tokenizer.vocab_size, generator=torch.Generator().manual_seed(0))
-    logits[0, dog] = logits[3, seven] = logits[5, dog] = 30.0
+    # the stand-ins and the head's rows pick the same tokens, greedy (from the masks walked
+    # before the head) and drawn alike
+    logits = torch.randn(15, tokenizer.vocab_size, generator=torch.Generator().manual_seed(0))
+    logits[0, dog] = logits[3, seven] = logits[5, dog] = logits[9, dog] = logits[12, dog] = 30.0
     stand_in = logits.clone()
     stand_in[list(rows.fixed)] = float("-inf")
     stand_in[list(rows.fixed), list(rows.fixed.values())] = 0.0
     picked = []
     for grammar, scores in ((None, logits), (rows, stand_in)):
         out, fresh = {}, RequestSampling(guided)
-        fresh.sample(scores, requests[:2], out, {}, {}, grammar)
+        fresh.sample(scores, requests, out, {}, {}, grammar)
         picked.append(out)
     assert picked[0] == picked[1]
     assert picked[1]["landing"][:4] == [dog, says, hello, seven] and picked[1]["refused"] == [dog, says]
+    assert picked[1]["sampled"] == [dog, says, hello]
 
 
-def test_a_forced_tool_call_skips_the_head_where_the_grammar_decides_and_answers_the_same(monkeypatch):
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "top_p": 0.9, "seed": 7}])
+def test_a_forced_tool_call_skips_the_head_where_the_grammar_decides_and_answers_the_same(monkeypatch, sampling):
     """The default model in its default configuration: forced tool calls batched and alone give
     the same answers with the head skipped where the grammar admits one token as with the head
-    on every row, and most rows skip it (the envelope, the keys, the separators)."""
+    on every row (greedy, and seeded draws), and most rows skip it (the envelope, the keys, the
+    separators)."""
     from xlserve.bench.spec_bench import tool_call_grammar, workloads
     answers, head_rows = [], []
     with LLM("default") as llm:
         prompts = workloads(llm.tokenizer, 4)["tool_calls"]
-        params = SamplingParams(max_tokens=40, temperature=0, guided=tool_call_grammar(llm.tokenizer))
+        params = SamplingParams(max_tokens=40, guided=tool_call_grammar(llm.tokenizer), **sampling)
         model = llm.engine.runner.model
         compute_logits = model.compute_logits
 

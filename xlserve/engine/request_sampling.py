@@ -28,7 +28,7 @@ class GrammarRows:
     proposals), walked while the proposals stand. ``fixed``: sampling row (its index among
     the step's logits) -> the one token that row can give, for rows that need no logits: the
     grammar admits a single token there, or the row lies past a proposal the grammar forbids
-    and is never read. Holds only for plain greedy requests without logprobs."""
+    and is never read. Holds only for requests without logprobs."""
     masks: dict[str, list[bytes]] = field(default_factory=dict)
     fixed: dict[int, int] = field(default_factory=dict)
 
@@ -46,18 +46,20 @@ class RequestSampling:
         self.matchers.pop(request_id, None)
 
     def grammar_rows(self, requests: list[ScheduledRequest]) -> GrammarRows:
-        """Before the head: the masks of each plain greedy request under a grammar (without
-        logprobs) along its proposals, and the rows whose token they fix alone. On the agentic
-        workload's forced tool calls the default model's grammar admits one token at 75% of
-        the answers' positions (the envelope, the keys, the separators), so those rows skip the
-        head (49,152 x 576 multiply-adds a row) and its argmax. A request whose walk fails is
+        """Before the head: the masks of each request under a grammar (without logprobs) along
+        its proposals, and the rows whose token they fix alone. On the agentic workload's forced
+        tool calls the default model's grammar admits one token at 75% of the answers' positions
+        (the envelope, the keys, the separators), so those rows skip the head (49,152 x 576
+        multiply-adds a row). Greedy or sampled alike: a row that admits one token gives it
+        whatever the logits, bias, penalties or temperature, and skipping its draw moves no
+        other draw (each is seeded by its own output position). A request whose walk fails is
         left to ``sample``, which reports it."""
         out, first = GrammarRows(), 0
         for s in requests:
             rows = range(first, first + 1 + s.num_proposed)
             first = rows.stop
             params = s.params
-            if params.guided is None or not _plain_greedy(params) or params.logprobs is not None:
+            if params.guided is None or params.logprobs is not None:
                 continue
             matcher, consumed, walked = None, 0, []
             proposed = s.token_ids[len(s.token_ids) - s.num_proposed:]
@@ -69,7 +71,7 @@ class RequestSampling:
                     if only is not None:
                         out.fixed[row] = only
                     if i == len(proposed) or not self.guided.admits(walked[-1], proposed[i]):
-                        out.fixed.update((r, 0) for r in rows[i + 1:])  # never read: greedy parts here
+                        out.fixed.update((r, 0) for r in rows[i + 1:])  # never read: the step ends at row i
                         break
                     if not matcher.consume_token(proposed[i]):
                         raise RequestError(f"the grammar refused the token {proposed[i]} it admitted")
