@@ -96,9 +96,10 @@ class GuidedDecoding:
         token = 32 * int(set_words[0]) + word.bit_length() - 1
         return token if word & (word - 1) == 0 and token < self.vocab_size else None
 
-    def allowed(self, matcher) -> torch.Tensor:
-        """Boolean [vocab_size] mask of the tokens the grammar accepts next."""
-        return torch.from_numpy(self._bits(matcher.compute_bitmask()))
+    def allowed(self, matcher, bitmask: bytes | None = None) -> torch.Tensor:
+        """Boolean [vocab_size] mask of the tokens the grammar accepts next (``bitmask``: the
+        matcher's ``compute_bitmask()`` in its state, when at hand)."""
+        return torch.from_numpy(self._bits(matcher.compute_bitmask() if bitmask is None else bitmask))
 
     def best_allowed(self, bitmask: bytes, row: torch.Tensor) -> int:
         """The first maximum of float32 ``row`` among the tokens ``bitmask`` admits (greedy's

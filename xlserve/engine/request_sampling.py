@@ -128,7 +128,7 @@ class RequestSampling:
         if plain_greedy:
             return self._greedy_guided(rows, matcher, proposed, greedy, masks)
         return verify(rows, proposed, params, lambda i: self._generator(s, i), self.sampler,
-                      lambda row, before: self._prepare(row, s, matcher, before),
+                      lambda row, before: self._prepare(row, s, matcher, before, masks),
                       matcher.consume_token if matcher is not None else lambda token: None)
 
     def _greedy_guided(self, rows: torch.Tensor, matcher, proposed: list[int], greedy: list[int],
@@ -148,16 +148,20 @@ class RequestSampling:
                 return out
         return out
 
-    def _prepare(self, row: torch.Tensor, s: ScheduledRequest, matcher, before: list[int]) -> torch.Tensor:
+    def _prepare(self, row: torch.Tensor, s: ScheduledRequest, matcher, before: list[int],
+                 masks: list[bytes] = ()) -> torch.Tensor:
         """A row as the request's sampling sees it after ``before`` (the step's tokens so far):
-        logit bias, the grammar's mask, penalties over the output with those tokens."""
+        logit bias, the grammar's mask, penalties over the output with those tokens. ``masks``:
+        ``grammar_rows``' walk, whose i-th mask is the state after i proposals, and ``verify``
+        prepares a row only while every proposal before it stands."""
         params = s.params
         if params.logit_bias:
             ids, values = zip(*params.logit_bias)
             row = row.index_add(0, torch.tensor(ids, device=row.device),
                                 torch.tensor(values, dtype=row.dtype, device=row.device))
         if matcher is not None:
-            row = row.masked_fill(~self.guided.allowed(matcher).to(row.device), float("-inf"))
+            walked = masks[len(before)] if len(before) < len(masks) else None
+            row = row.masked_fill(~self.guided.allowed(matcher, walked).to(row.device), float("-inf"))
         if params.has_penalties:
             row = apply_penalties(row.clone(), params, s.prompt_token_ids or [], (s.output_token_ids or []) + before)
         return row
