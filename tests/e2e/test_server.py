@@ -229,9 +229,12 @@ WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris right now
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_tool_call_parsed_non_streamed(client, model, tool_choice):
+def test_tool_call_parsed_non_streamed(server, client, model, tool_choice):
+    skipped = metric(server, "xlserve_head_rows_skipped_total")
     r = client.chat.completions.create(model=model, messages=WEATHER_Q, tools=[WEATHER_TOOL],
                                        tool_choice=tool_choice, max_tokens=80, temperature=0)
+    # the forced envelope's one-token positions took no output layer
+    assert metric(server, "xlserve_head_rows_skipped_total") > skipped
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     call = choice.message.tool_calls[0]

@@ -85,6 +85,8 @@ def test_a_forced_tool_call_skips_the_head_where_the_grammar_decides_and_answers
             head_rows.append(0)
             answers.append([[o.outputs[0].token_ids for o in llm.generate(prompts, params)],
                             [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]])
+        skipped = llm.engine.stats()["head_rows_skipped"]  # counted while the skip was on
     assert answers[0] == answers[1]
     assert answers[0][0] == answers[0][1]
     assert head_rows[0] < 0.5 * head_rows[1], head_rows
+    assert skipped == head_rows[1] - head_rows[0]  # what /metrics reports as xlserve_head_rows_skipped

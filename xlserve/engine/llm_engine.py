@@ -113,6 +113,7 @@ class LLMEngine:
         self._detokenizers: dict[str, Detokenizer | None] = {}
         self.num_steps = 0
         self.steps_by_path: collections.Counter = collections.Counter()  # DecodePath -> steps taken
+        self.head_rows_skipped = 0  # sampling rows whose token a grammar decided without the head
         self.num_failed_requests = 0
 
     def _scheduler(self, config: EngineConfig) -> Scheduler | RankSchedulers:
@@ -229,6 +230,7 @@ class LLMEngine:
             self.kv.tiers.costs.computed(prompt_tokens, time.monotonic() - started)
         if runner_out.decode_path is not None:
             self.steps_by_path[runner_out.decode_path] += 1
+        self.head_rows_skipped += runner_out.head_rows_skipped
         outputs += [out for rid, why in runner_out.errors.items() if (out := self._fail(rid, why))]
         speculation = self.speculation
         speculation.record(sched_out, runner_out.sampled)
@@ -353,6 +355,7 @@ class LLMEngine:
             "kv_pins": self.kv.num_pins,
             "num_steps": self.num_steps,
             "num_failed_requests": self.num_failed_requests,
+            "head_rows_skipped": self.head_rows_skipped,
             "spec_method": self.config.speculative.speculative,
             "spec_proposed_tokens": self.speculation.stats.proposed,
             "spec_accepted_tokens": self.speculation.stats.accepted,

@@ -37,6 +37,7 @@ class RunnerOutput:
     decode_path: DecodePath | None = None  # the path the step's forward took
     # request id -> the final hidden state of each token it computed (only with ``keep_hidden``)
     hidden: dict[str, torch.Tensor] = field(default_factory=dict)
+    head_rows_skipped: int = 0  # sampling rows the head did not compute (``GrammarRows.fixed``)
 
     def merge(self, other: "RunnerOutput") -> None:
         self.sampled.update(other.sampled)
@@ -352,7 +353,7 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest],
                 path: DecodePath | None = None, grammar: GrammarRows | None = None) -> RunnerOutput:
-        out = RunnerOutput(decode_path=path)
+        out = RunnerOutput(decode_path=path, head_rows_skipped=len(grammar.fixed) if grammar is not None else 0)
         self.sampling.sample(logits, requests, out.sampled, out.logprobs, out.errors, grammar)
         return out
 

@@ -43,6 +43,8 @@ ENGINE_METRICS = (
     ("num_preemptions", "xlserve_num_preemptions", "Requests preempted for lack of KV blocks", COUNTER),
     ("num_failed_requests", "xlserve_requests_failed_in_engine", "Requests ended by an error inside a step "
      "(the engine served on)", COUNTER),
+    ("head_rows_skipped", "xlserve_head_rows_skipped", "Sampling rows the output layer skipped: the request's "
+     "grammar admitted one token there, or the row lay past a proposal it forbids", COUNTER),
     ("num_loading", "xlserve_num_requests_loading_kv", "Requests waiting for their prefix from the KV tiers", GAUGE),
     ("kv_tier_timeouts", "xlserve_kv_tier_lookup_timeouts", "Tier lookups past --kv-tier-timeout (the request "
      "computed what had not arrived)", COUNTER),
