@@ -193,7 +193,7 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
-SPECULATIVE_METHODS = ("none", "ngram", "suffix", "draft", "eagle")
+SPECULATIVE_METHODS = ("none", "ngram", "suffix", "draft", "eagle", "grammar")
 
 
 @dataclass(frozen=True)
@@ -205,7 +205,9 @@ class SpeculativeConfig:
                             "output; 'suffix': the continuation most of the longest matches agree on, in the "
                             "request's tokens and in earlier answers (longer proposals where they agree); 'draft': "
                             "--draft-model's greedy tokens; 'eagle': a one-layer head on the model's own hidden states "
-                            "(--eagle-head; the default model's ships with xlserve).",
+                            "(--eagle-head; the default model's ships with xlserve); 'grammar': no guesses, only the "
+                            "tokens a request's grammar forces (a forced tool call's envelope, a schema's keys), "
+                            "checked in one step. Every proposer's proposals lead with those.",
                             choices=SPECULATIVE_METHODS)
     num_speculative_tokens: int = _opt(0, "Most tokens proposed per request and step; 0: adaptive (0 to 8 "
                                        "per request and step, where the guesses likeliest to land raise the "

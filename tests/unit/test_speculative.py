@@ -161,16 +161,19 @@ def default_answers():
 
 
 @pytest.mark.parametrize("method,extra", [("ngram", {}), ("suffix", {}), ("eagle", {}),
-                                          ("draft", {"draft_model": "default"})])
+                                          ("draft", {"draft_model": "default"}), ("grammar", {})])
 def test_every_proposer_answers_as_none_in_the_default_configuration(default_answers, method, extra):
     """The promise users get: the default model in its default dtype, whose rows do not depend
     on the batch, answers the same with each proposer, batched and alone (the draft is the
-    model itself, so its guesses land and long runs are checked)."""
+    model itself, so its guesses land and long runs are checked; ``grammar`` checks only the
+    tool calls' forced runs, which always land)."""
     work, expected = default_answers
     with LLM("default", speculative=method, **extra) as llm:
         assert _batched_and_alone(llm, work) == expected
         stats = llm.engine.stats()
     assert stats["spec_accepted_tokens"] > 0
+    if method == "grammar":
+        assert stats["spec_accepted_tokens"] == stats["spec_proposed_tokens"]  # forced tokens, no guesses
 
 
 def test_seeded_sampling_with_proposals_is_reproducible(tiny_model_dirs):

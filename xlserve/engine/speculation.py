@@ -116,7 +116,7 @@ class Speculation:
                 chain.forced_entry = len(lengths)
                 lengths.append(DraftLength(self.fixed_length, rate=1.0, most=len(chain.forced), forced=True))
                 rooms.append(len(chain.forced))
-            if room > len(chain.forced) and (not chain.forced or self.proposer.guesses_ahead):
+            if room > len(chain.forced) and self.proposer.guesses and (not chain.forced or self.proposer.guesses_ahead):
                 chain.guess_entry = len(lengths)
                 length = self.draft_lengths.get(req.request_id)
                 if length is None:

@@ -26,6 +26,7 @@ class Proposer(ABC):
     # it may guess after tokens the target has not computed yet (a grammar's forced tokens
     # about to be checked): a lookup over tokens, not a model that needs their states or KV
     guesses_ahead = False
+    guesses = True  # False: it proposes nothing of its own, only the chains' forced runs (``grammar``)
 
     @classmethod
     def create(cls, config, loaded) -> Proposer:
@@ -60,6 +61,7 @@ PROPOSERS = {
     "suffix": ("xlserve.speculative.suffix", "SuffixProposer"),
     "draft": ("xlserve.speculative.draft", "DraftProposer"),
     "eagle": ("xlserve.speculative.eagle", "EagleProposer"),
+    "grammar": ("xlserve.speculative.grammar", "GrammarProposer"),
 }
 
 
