@@ -234,14 +234,15 @@ class ModelRunner:
             logits = self.graphs.logits([s.token_ids[0] for s in rows], [s.start_position for s in rows],
                                         [s.block_ids for s in rows])
             return self._sample(logits[:len(rows)], output.scheduled, path)
-        grammar = None
+        # rows a grammar decides alone skip the head, on one rank: with several, rank 0 alone
+        # holds the matchers and the others would compute other head rows
+        grammar = self.sampling.grammar_rows([s for s in output.scheduled if s.sample]) \
+            if self.single_rank else GrammarRows()
         if self.announce is not None:  # every rank runs the forward, or none can go on
             with out_of_step():
                 self.announce(output, path, cpu_kernels)
-                logits, sampling = self._forward(output.scheduled, path, cpu_kernels)
-        else:  # one rank: rows its grammars decide alone skip the head (rank 0 alone holds the matchers)
-            grammar = self.sampling.grammar_rows([s for s in output.scheduled if s.sample]) \
-                if self.single_rank else GrammarRows()
+                logits, sampling = self._forward(output.scheduled, path, cpu_kernels, grammar.fixed)
+        else:
             logits, sampling = self._forward(output.scheduled, path, cpu_kernels, grammar.fixed)
         out = RunnerOutput(decode_path=path) if logits is None else self._sample(logits, sampling, path, grammar)
         if self.keep_hidden:

@@ -120,7 +120,7 @@ class RequestSampling:
         """One token, or the proposals the rows confirm and the model's next (``verify``)."""
         proposed = s.token_ids[len(s.token_ids) - s.num_proposed:]
         params = s.params
-        plain_greedy = _plain_greedy(params)
+        plain_greedy = params.greedy and not params.logit_bias and not params.has_penalties
         if plain_greedy and params.guided is None:
             kept = next((i for i, (p, g) in enumerate(zip(proposed, greedy)) if p != g), len(proposed))
             return proposed[:kept] + [greedy[kept]]  # the argmaxes are at hand
@@ -205,12 +205,6 @@ class RequestSampling:
         base, gen = entry
         gen.manual_seed(_mix(base, s.output_index + offset))
         return gen
-
-
-def _plain_greedy(params) -> bool:
-    """Greedy with nothing that moves the logits: the argmax (under a grammar, among the
-    admitted tokens) is the token."""
-    return params.greedy and not params.logit_bias and not params.has_penalties
 
 
 def _greedy_tokens(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
