@@ -90,3 +90,29 @@ def test_a_forced_tool_call_skips_the_head_where_the_grammar_decides_and_answers
     assert answers[0][0] == answers[0][1]
     assert head_rows[0] < 0.5 * head_rows[1], head_rows
     assert skipped == head_rows[1] - head_rows[0]  # what /metrics reports as xlserve_head_rows_skipped
+
+
+def test_a_grammar_that_fails_in_the_walk_ends_only_its_request(tokenizer):
+    """A matcher that cannot be built is left to ``sample``, which ends that request with the
+    reason; the other request's rows are still fixed and it gets its tokens."""
+    dog, says = (tokenizer.encode(w)[0] for w in ("dog", " says"))
+    guided = GuidedDecoding(tokenizer, tokenizer.vocab_size)
+    sampling = RequestSampling(guided)
+    broken = GuidedSpec("regex", "broken")
+    build = guided.matcher
+
+    def matcher(spec):
+        if spec == broken:
+            raise ValueError("the regex constraint does not compile")
+        return build(spec)
+    guided.matcher = matcher
+    requests = [_row("broken", SamplingParams(max_tokens=8, temperature=0, guided=broken), [dog]),
+                _row("fine", SamplingParams(max_tokens=8, temperature=0, guided=REGEX), [dog, says])]
+    rows = sampling.grammar_rows(requests)
+    assert rows.fixed == {3: says, 4: tokenizer.encode(" hello")[0]} and set(rows.masks) == {"fine"}
+    logits = torch.zeros(5, tokenizer.vocab_size)
+    logits[:, dog] = 1.0
+    sampled, errors = {}, {}
+    sampling.sample(logits, requests, sampled, {}, errors, rows)
+    assert "does not compile" in errors["broken"] and "broken" not in sampled
+    assert sampled["fine"][:2] == [dog, says]
