@@ -42,8 +42,10 @@ class ModelConfig:
     deterministic: bool = _opt(False, "CPU: every dense matmul on a kernel that reduces each row in one order "
                                "(as weights kept quantized always are) and no fused decode kernels, so greedy "
                                "and seeded output do not depend on the batch, chunking, caching or thread count "
-                               "in any dtype. Covers dense and full-attention layers; MoE experts, latent "
-                               "attention and windowed layers still compute with torch. Cost: docs/benchmarks.md.")
+                               "in any dtype, for every model family (MoE experts, latent and windowed "
+                               "attention too). bf16 weights of a bf16 model run on AMX tiles where the CPU "
+                               "has them (there its decode is faster than the default's), elsewhere on fp32 "
+                               "multiply-adds. Cost: docs/benchmarks.md.")
     int8_activations: bool = _opt(False, "CPU, weights kept as Q4_0, Q4_1 or Q8_0: round each matmul's activations "
                                   "to 8 bits per 32 values and multiply with integer dot products, as llama.cpp "
                                   "does (about 2x faster matmuls; results within bf16's error of the dequantized "

@@ -3,6 +3,8 @@ and the whole step against the eager path it replaces, bit for bit, for weights 
 block formats (fp32 and 8-bit activations) and dense weights under ``--deterministic``, in
 float32 and bfloat16, with q/k/v and output biases, alone and batched."""
 
+import functools
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from tests.unit.test_quantized_weights import MIX, write_mixed_gguf
 from xlserve import LLM, SamplingParams
 from xlserve.engine.decode_plan import DecodePath
 from xlserve.engine.model_runner import ModelRunner
-from xlserve.kernels import cpu_ops, decode_step, portable_library
+from xlserve.kernels import cpu_ops, decode_step, invariant_linear, portable_library
 from xlserve.kernels.gguf_blocks import BlockType
 from xlserve.models.llama import LlamaForCausalLM
 
@@ -103,8 +105,18 @@ def biased_llama(tmp_path_factory):
 
 @pytest.mark.skipif(not TAKEN, reason="the portable kernels do not build")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_dense_weights_under_deterministic_decode_in_one_call_with_the_eager_bits(biased_llama, dtype, monkeypatch):
-    _on_both_paths(LLM(biased_llama, dtype=dtype, kv_cache_tokens=1024, deterministic=True), monkeypatch)
+@pytest.mark.parametrize("amx", [True, False], ids=["amx-where-present", "without-amx"])
+def test_dense_weights_under_deterministic_decode_in_one_call_with_the_eager_bits(biased_llama, dtype, amx,
+                                                                                  monkeypatch):
+    """bf16 weights on AMX tiles (where the CPU has them: the step calls the AMX library's kernel
+    through the table) or on the fp32 tiles of every CPU."""
+    if not amx:
+        monkeypatch.setattr(invariant_linear, "mark", functools.partial(invariant_linear.mark, amx=False))
+    llm = LLM(biased_llama, dtype=dtype, kv_cache_tokens=1024, deterministic=True)
+    qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.weight
+    on_tiles = amx and dtype == "bfloat16" and cpu_ops.amx_ready()
+    assert (decode_step.projection_entry(qkv, qkv.dtype)[2] == decode_step.DENSE_CALL) == on_tiles
+    _on_both_paths(llm, monkeypatch)
 
 
 @pytest.mark.skipif(not TAKEN, reason="the portable kernels do not build")

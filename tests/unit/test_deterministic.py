@@ -1,12 +1,15 @@
 """``deterministic=True``: output that does not depend on the step a token is computed in —
 alone or in a batch of mixed lengths, chunked, after a prefix hit, recomputed after
-preemption, on one thread or two — bit for bit, in float32 and in bfloat16, for every
-model family."""
+preemption, on one thread or two — bit for bit, in float32 and in bfloat16 (on AMX tiles and
+without them), for every model family."""
+
+import functools
 
 import pytest
 import torch
 
 from xlserve import LLM, SamplingParams
+from xlserve.kernels import cpu_ops, invariant_linear
 
 PARAMS = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1),
           SamplingParams(max_tokens=10, temperature=0.9, seed=5, ignore_eos=True, logprobs=1)]
@@ -29,9 +32,17 @@ FAMILIES = ["llama", "llama3", "qwen2", "qwen3", "mistral", "gemma3", "mixtral",
 SMALL_POOL = {"gemma3": 16, "llama4": 20}
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# bfloat16 on a CPU with AMX: the dense matmuls on the tiles, and again on the fp32 tiles of every
+# other CPU (their twin, forced here; elsewhere the plain run takes them)
+SETUPS = ["float32", "bfloat16"] + (["bfloat16-without-amx"] if cpu_ops.amx_ready() else [])
+
+
+@pytest.mark.parametrize("dtype", SETUPS)
 @pytest.mark.parametrize("name", FAMILIES)
-def test_deterministic_output_does_not_depend_on_the_step(tiny_model_dirs, name, dtype):
+def test_deterministic_output_does_not_depend_on_the_step(tiny_model_dirs, name, dtype, monkeypatch):
+    if dtype == "bfloat16-without-amx":
+        monkeypatch.setattr(invariant_linear, "mark", functools.partial(invariant_linear.mark, amx=False))
+        dtype = "bfloat16"
     path, prompts = tiny_model_dirs[name], _prompts()
     llm = LLM(path, dtype=dtype, deterministic=True, kv_cache_tokens=2048)
     batched = _run(llm, prompts)

@@ -51,6 +51,7 @@ SIGNATURES = {
     "xl_bf16_dot_ready": [],
     "xl_linear_amx": [P, P, P, P, P, I64, I64, I64, I32],
     "xl_linear_amx_f32": [P, P, P, I64, I64, I64, I32],
+    "xl_linear_amx_dense": [P, P, P, I64, I64, I64, I64, I32],
     "xl_decode_layers": [P, I64, I64, I64, P, F32, I64, I64, I64, I64, P, P, P, P, P, I64, F32, I32, I32],
 }
 LAYER_POINTERS = 9  # per layer in ``decode_layers_``'s table, in xl_decode_layers' order

@@ -86,8 +86,13 @@ void xl_row_silu_mul(const void* gate_up, void* out, int64_t T, int64_t I, int b
 
 /* A projection's table entry: its parts (consecutive runs of output rows, in order), whether
  * its Q4_0 / Q4_1 / Q8_0 parts multiply 8-bit activations, then per part its block type
- * (DENSE_F32 / DENSE_BF16: a plain [rows, K] matrix), data address, bytes per row and rows. */
-enum { DENSE_F32 = -1, DENSE_BF16 = -2, PART_FIELDS = 4, MAX_PARTS = 3, PROJ_FIELDS = 2 + PART_FIELDS * MAX_PARTS };
+ * (DENSE_F32 / DENSE_BF16: a plain [rows, K] matrix for xl_linear_dense; DENSE_CALL: a bf16
+ * one for the kernel at the address in the bytes-per-row field, the AMX library's
+ * xl_linear_amx_dense, which this build has not), data address, bytes per row and rows. */
+enum { DENSE_F32 = -1, DENSE_BF16 = -2, DENSE_CALL = -3, PART_FIELDS = 4, MAX_PARTS = 3,
+       PROJ_FIELDS = 2 + PART_FIELDS * MAX_PARTS };
+typedef void (*dense_call)(const float* x, const uint16_t* w, float* out, int64_t M, int64_t N, int64_t K,
+                           int64_t ldo, int threads);
 /* A layer's table entry (decode_step.py builds it): norms, biases (0: none), its KV cache,
  * then the four projections. */
 enum { LN1, LN2, QKV_BIAS, O_BIAS, K_CACHE, V_CACHE, QKV, O = QKV + PROJ_FIELDS, GATE_UP = O + PROJ_FIELDS,
@@ -103,6 +108,8 @@ static void project(const int64_t* p, const float* x, int64_t M, int64_t N, int6
     const int64_t type = part[0], rows = part[3];
     if (type >= 0)
       xl_linear_quant((int)type, x, (const uint8_t*)part[1], part[2], out + start, M, rows, K, N, (int)p[1], threads);
+    else if (type == DENSE_CALL)
+      ((dense_call)part[2])(x, (const uint16_t*)part[1], out + start, M, rows, K, N, threads);
     else
       xl_linear_dense(x, (const void*)part[1], type == DENSE_BF16, out + start, M, rows, K, N, threads);
     start += rows;

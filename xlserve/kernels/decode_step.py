@@ -14,10 +14,11 @@ import functools
 
 import torch
 
-from xlserve.kernels import invariant_linear
+from xlserve.kernels import cpu_ops, invariant_linear
 from xlserve.layers.quantized import QuantizedWeight
 
 DENSE = {torch.float32: -1, torch.bfloat16: -2}  # decode_step.c: DENSE_F32, DENSE_BF16
+DENSE_CALL = -3  # decode_step.c: a dense part whose kernel's address the table holds (the AMX library's)
 PART_FIELDS, MAX_PARTS = 4, 3
 PROJECTION_FIELDS = 2 + PART_FIELDS * MAX_PARTS
 MAX_HEAD_DIM = 2048  # the rotary scratch of decode_step.c
@@ -55,7 +56,10 @@ def projection_entry(weight, dtype: torch.dtype) -> list[int] | None:
             return None
         parts = [(int(p.qtype), p.data.data_ptr(), p.data.shape[1], p.rows) for p in weight.parts]
         eight_bit = int(weight.eight_bit_activations)
-    elif isinstance(weight, torch.Tensor) and getattr(weight, invariant_linear.MARK, False) \
+    elif isinstance(weight, torch.Tensor) and invariant_linear.kernel_of(weight) is invariant_linear.Kernel.AMX \
+            and weight.is_contiguous():
+        parts, eight_bit = [(DENSE_CALL, weight.data_ptr(), _amx_dense_address(), weight.shape[0])], 0
+    elif isinstance(weight, torch.Tensor) and invariant_linear.kernel_of(weight) is invariant_linear.Kernel.TILES \
             and weight.is_contiguous() and weight.dtype in DENSE:
         parts, eight_bit = [(DENSE[weight.dtype], weight.data_ptr(), 0, weight.shape[0])], 0
     else:
@@ -64,6 +68,13 @@ def projection_entry(weight, dtype: torch.dtype) -> list[int] | None:
         return None
     flat = [value for part in parts for value in part]
     return [len(parts), eight_bit, *flat] + [0] * (PART_FIELDS * MAX_PARTS - len(flat))
+
+
+@functools.cache
+def _amx_dense_address() -> int:
+    """Where ``gemm_amx.c:xl_linear_amx_dense`` lies: the portable build has no AMX kernels, so
+    the step calls the other library's through this address."""
+    return ctypes.cast(cpu_ops.kernels().xl_linear_amx_dense, ctypes.c_void_p).value
 
 
 def tensor_address(t: torch.Tensor | None, dtype: torch.dtype) -> int | None:

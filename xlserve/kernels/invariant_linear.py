@@ -1,16 +1,40 @@
-"""The dense CPU matmul of ``--deterministic`` (``gemm_quant.c:xl_linear_dense``): each output
-one dot product in a fixed order, whatever the number of rows, the tile or the thread, as
-the quantized-weight kernel computes. oneDNN's and MKL's matmuls pick their blocking by
-shape, so a row's result moves with the batch it is in; this one does not."""
+"""The dense CPU matmul of ``--deterministic``: each output one dot product in a fixed order,
+whatever the number of rows, the tile or the thread. oneDNN's and MKL's matmuls pick their
+blocking by shape, so a row's result moves with the batch it is in; these do not.
+
+Two kernels, one per weight, chosen once as the model loads (``kernel_for``), so a weight's rows
+take the same one alone or batched, prefill or decode (``decode_step.py`` reads the choice):
+
+- ``Kernel.AMX`` (``gemm_amx.c:xl_linear_amx_dense``): bf16 weights of a bf16 model on a CPU with
+  AMX tiles, for every row count. Faster than the default path's matmuls at every row count
+  on the 2-core AMX Xeon (30 layers of the default model's bf16 shapes, minimum of 9: 1 row
+  4.45 against 4.81 ms, 8 rows 5.12 against 7.37, 32 rows 7.41 against 10.09), so the mode costs
+  little there.
+- ``Kernel.TILES`` (``gemm_quant.c:xl_linear_dense``): fp32 multiply-adds on every CPU the
+  portable kernels run on (bf16 weights widened exactly), the quantized kernels' order: the
+  twin where there are no tiles, and for fp32 weights or activations, and shapes the tiles
+  do not take whole.
+
+The two give different bits (the tile unit's sums are its own), never for one weight in one
+process.
+"""
 
 from __future__ import annotations
+
+import enum
 
 import torch
 from torch import nn
 
-from xlserve.kernels import portable_library, quant_ops
+from xlserve.kernels import cpu_ops, portable_library, quant_ops
 
-MARK = "_xlserve_invariant"  # set on a weight whose matmuls take this kernel (a model loaded --deterministic)
+
+class Kernel(enum.Enum):
+    TILES = "tiles"
+    AMX = "amx"
+
+
+MARK = "_xlserve_invariant"  # the Kernel of a weight of a model loaded --deterministic
 
 
 def takes(weight: object) -> bool:
@@ -20,23 +44,41 @@ def takes(weight: object) -> bool:
             and weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[-1] % 16 == 0)
 
 
-def mark(model: nn.Module) -> int:
-    """Mark every dense CPU matmul weight this kernel takes: each module's ``weight`` [N, K], and
-    stacked weights [E, N, K] of a module that says it has them (``matmul_stacks``: a MoE
-    layer's experts); returns how many."""
-    count = 0
+def kernel_for(weight: torch.Tensor, dtype: torch.dtype, amx: bool) -> Kernel:
+    """AMX where ``amx`` (the process may use the tiles), the model computes
+    in bf16 (rounding its activations to bf16 changes nothing) and the tiles take the bf16 weight
+    whole ([N, K], both multiples of 32); TILES otherwise."""
+    whole = weight.dim() == 2 and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0
+    return Kernel.AMX if amx and dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and whole \
+        else Kernel.TILES
+
+
+def mark(model: nn.Module, dtype: torch.dtype, amx: bool = True) -> dict[Kernel, int]:
+    """Mark every dense CPU matmul weight these kernels take with its kernel: each module's
+    ``weight`` [N, K], and stacked weights [E, N, K] of a module that says it has them
+    (``matmul_stacks``: a MoE layer's experts, which take TILES); returns how many took each.
+    AMX only where the CPU has the tiles and the OS grants them to this process (asked here,
+    before any tile instruction runs), and not with ``amx`` False (the twin's tests)."""
+    amx = amx and cpu_ops.amx_ready()
+    counts = dict.fromkeys(Kernel, 0)
     for module in model.modules():
         names = ("weight", *getattr(module, "matmul_stacks", ()))
         for weight in (getattr(module, name, None) for name in names):
             if takes(weight):
-                setattr(weight, MARK, True)
-                count += 1
-    return count
+                kernel = kernel_for(weight, dtype, amx)
+                setattr(weight, MARK, kernel)
+                counts[kernel] += 1
+    return counts
+
+
+def kernel_of(weight: torch.Tensor) -> Kernel | None:
+    """The kernel ``mark`` chose for ``weight`` (None: not marked)."""
+    return getattr(weight, MARK, None)
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """A matmul of a model loaded --deterministic takes the kernel."""
-    return getattr(weight, MARK, False) and x.device.type == "cpu" and portable_library.kernels() is not None
+    return kernel_of(weight) is not None and x.device.type == "cpu" and portable_library.kernels() is not None
 
 
 def available(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -46,11 +88,16 @@ def available(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            residual: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T (+ bias) (+ residual)``: fp32 products, rounded to ``x``'s dtype once."""
+    """``x @ weight.T (+ bias) (+ residual)`` on the weight's kernel (TILES when unmarked): fp32
+    sums, rounded to ``x``'s dtype once."""
     n, k = weight.shape
     rows = quant_ops.fp32_rows(x, k)
     w = weight if weight.is_contiguous() else weight.contiguous()
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-    portable_library.kernels().xl_linear_dense(rows.data_ptr(), w.data_ptr(), int(w.dtype == torch.bfloat16),
-                                               out.data_ptr(), rows.shape[0], n, k, n, torch.get_num_threads())
+    args = (out.data_ptr(), rows.shape[0], n, k, n, torch.get_num_threads())
+    if kernel_of(weight) is Kernel.AMX:
+        cpu_ops.kernels().xl_linear_amx_dense(rows.data_ptr(), w.data_ptr(), *args)
+    else:
+        portable_library.kernels().xl_linear_dense(rows.data_ptr(), w.data_ptr(), int(w.dtype == torch.bfloat16),
+                                                   *args)
     return quant_ops.finish(out, x, bias, residual)

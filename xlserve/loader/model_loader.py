@@ -102,7 +102,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
     model.tie_weights()  # again: a head tied to an embedding kept quantized shares its blocks
     set_activation_bits(model, config.int8_activations)
     if config.deterministic:
-        log.info("deterministic: %d dense weights on the batch-invariant kernel", invariant_linear.mark(model))
+        counts = invariant_linear.mark(model, dtype)
+        log.info("deterministic: dense weights on the batch-invariant kernels: %s",
+                 ", ".join(f"{count} on {kernel.value}" for kernel, count in counts.items()))
     if sliced:
         seconds = time.perf_counter() - started
         log.info("rank %d read %.1f MiB of the checkpoint's %.1f MiB in %.2f s (%.0f MiB/s)", stage.rank,
