@@ -23,12 +23,12 @@ void xl_linear_amx(const uint16_t* x, const uint16_t* w, const void* bias, const
                    int64_t M, int64_t N, int64_t K, int threads);
 int xl_amx_ready(void);
 
-/* A projection of B rows: the row kernel for a few rows, AMX tiles for more where they
- * apply (cpu_ops.use_amx is the same rule), else the row kernel's batched blocks (on
- * vdpbf16ps: each row the bits it has alone, cpu_ops.batched_rows). */
+/* A projection of B rows: AMX tiles wherever they apply, from one row (cpu_ops.use_amx is the
+ * same rule, AMX_MIN_ROWS), else the row kernel (on vdpbf16ps, its batched blocks: each row
+ * the bits it has alone, cpu_ops.batched_rows). */
 static void project(const void* x, const uint16_t* w, const void* bias, const void* residual, void* out, int64_t B,
                     int64_t N, int64_t K, int bf16, int threads) {
-  if (B > 4 && bf16 && N % 32 == 0 && K % 32 == 0 && xl_amx_ready())
+  if (B >= 1 && bf16 && N % 32 == 0 && K % 32 == 0 && xl_amx_ready())
     xl_linear_amx((const uint16_t*)x, w, bias, residual, out, B, N, K, threads);
   else
     xl_linear_bf16(x, w, bias, residual, out, B, N, K, bf16, threads);

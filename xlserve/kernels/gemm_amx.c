@@ -1,13 +1,21 @@
 /* Batched bf16 matmul on AMX tiles that reads the weight in its plain [N, K] layout.
  *
- * out[M, N] = x[M, K] @ W[N, K]^T for 5 to a few hundred rows (batched decode, short
- * prefill chunks). oneDNN needs the weight reordered into its blocked layout for AMX:
+ * out[M, N] = x[M, K] @ W[N, K]^T for 1 to a few hundred rows (decode, short prefill
+ * chunks). oneDNN needs the weight reordered into its blocked layout for AMX:
  * per call that reorder costs more than the product at these sizes, and keeping a
  * reordered copy doubles the weights. Here the roles are swapped: a tile of W (16
  * output features x 32 inputs, rows of W as they lie in memory) is the A operand, and
  * the activations, transposed once per call into AMX's pair-interleaved layout, are the
  * B operand. The tile product is then out^T, 16 features x 16 rows, accumulated in fp32
  * across K and written back transposed.
+ *
+ * Even one row runs faster on the tiles than on the row kernel (gemv_bf16.c), which streams at
+ * the bandwidth it gets: 30 layers of the default model's shapes in bf16 on a 2-core Xeon with
+ * AMX (Emerald Rapids), minimum of 9, 4.45 against 4.81 ms from L3, 29.1 against 37.4 ms for
+ * 120 layers from memory. The tile loads read each slab where it lies: a front-to-back sweep
+ * of each 32-row slab before them (which gained 10-25% at 32 rows on the AMX Xeon of
+ * 2026-11-29) cost there 1 row 5.49 against 4.45 ms, 32 rows 9.25 against 7.41 (from memory
+ * 33.0 against 29.1, 46.8 against 43.2).
  *
  * Needs K % 32 == 0 and N % 32 == 0 (the caller checks), and AMX permission from the
  * kernel, asked for once per process.
@@ -94,15 +102,6 @@ static void write_tile(const float* c, int64_t n0, int64_t m0, int64_t M, int64_
   }
 }
 
-/* Reads a weight slab front to back before the tile loads walk it column-wise (64 bytes of
- * each of 32 rows per step): memory serves a sequential sweep at full speed, 32 strided
- * streams at a fraction of it. Returns a value only so the loads are not optimized away. */
-static inline int64_t touch(const char* p, int64_t bytes) {
-  __m512i acc = _mm512_setzero_si512();
-  for (int64_t i = 0; i < bytes; i += 64) acc = _mm512_or_si512(acc, _mm512_loadu_si512((const void*)(p + i)));
-  return _mm512_reduce_or_epi64(acc);
-}
-
 /* Two feature blocks x two row blocks: tmm0-3 accumulate, tmm4-5 hold W, tmm6-7 x. */
 static void pass_2x2(const uint16_t* w0, const uint16_t* w1, const uint32_t* x0, const uint32_t* x1,
                      int64_t k_blocks, int64_t stride, float c[4][256]) {
@@ -143,22 +142,17 @@ static void pass_2x1(const uint16_t* w0, const uint16_t* w1, const uint32_t* x0,
   _tile_stored(1, c[1], 64);
 }
 
-static volatile int64_t touched;
-
 static void gemm_tiles(const uint16_t* w, const uint32_t* xb, const uint16_t* bias, const uint16_t* residual,
-                       uint16_t* out, float* out32, int64_t M, int64_t N, int64_t K, int64_t ldo, int64_t m_blocks, int sweep,
-                       int threads) {
+                       uint16_t* out, float* out32, int64_t M, int64_t N, int64_t K, int64_t ldo, int64_t m_blocks, int threads) {
   const int64_t k_blocks = K / 32, n_pairs = N / 32, stride = K * 2;
 #pragma omp parallel num_threads(threads)
   {
     configure_tiles();
     float c[4][256] __attribute__((aligned(64)));
-    int64_t sink = 0;
 #pragma omp for schedule(static)
     for (int64_t np = 0; np < n_pairs; ++np) {
       const int64_t n0 = np * 32;
       const uint16_t* w0 = w + n0 * K;
-      if (sweep) sink |= touch((const char*)w0, 32 * stride);
       for (int64_t mb = 0; mb < m_blocks; mb += 2) {
         const uint32_t* x0 = xb + mb * k_blocks * 256;
         if (mb + 1 < m_blocks) {
@@ -173,7 +167,6 @@ static void gemm_tiles(const uint16_t* w, const uint32_t* xb, const uint16_t* bi
       }
     }
     _tile_release();
-    touched = sink;
   }
 }
 
@@ -183,7 +176,7 @@ void xl_linear_amx(const uint16_t* x, const uint16_t* w, const void* bias, const
                    int64_t M, int64_t N, int64_t K, int threads) {
   const int64_t m_blocks = (M + 15) / 16;
   uint32_t* xb = pair_interleave(x, M, K, m_blocks);
-  gemm_tiles(w, xb, bias, residual, out, NULL, M, N, K, N, m_blocks, 1, threads);
+  gemm_tiles(w, xb, bias, residual, out, NULL, M, N, K, N, m_blocks, threads);
   free(xb);
 }
 
@@ -192,7 +185,7 @@ void xl_linear_amx_f32(const uint16_t* x, const uint16_t* w, float* out, int64_t
                        int threads) {
   const int64_t m_blocks = (M + 15) / 16;
   uint32_t* xb = pair_interleave(x, M, K, m_blocks);
-  gemm_tiles(w, xb, NULL, NULL, NULL, out, M, N, K, N, m_blocks, 1, threads);
+  gemm_tiles(w, xb, NULL, NULL, NULL, out, M, N, K, N, m_blocks, threads);
   free(xb);
 }
 
@@ -202,10 +195,7 @@ void xl_linear_amx_f32(const uint16_t* x, const uint16_t* w, float* out, int64_t
  * is one tile element accumulated over K in one order by one thread, whatever M, the row's
  * place in its tile or the thread count (tested); what the tile unit does inside one
  * instruction is its own (neither fp32 FMAs nor vdpbf16ps reproduce it), so its bits are this
- * CPU's, not the tile path's of another kernel. Without the front-to-back sweep: 30 layers of the
- * default model's bf16 shapes on a 2-core Xeon with AMX (Emerald Rapids), minimum of 9, sweep
- * vs none: 1 row 5.49 vs 4.45 ms, 32 rows 9.25 vs 7.41 (L3-resident); 120 layers, from memory,
- * 1 row 33.0 vs 29.1, 32 rows 46.8 vs 43.2. */
+ * CPU's, not those of another kernel. */
 void xl_linear_amx_dense(const float* x, const uint16_t* w, float* out, int64_t M, int64_t N, int64_t K,
                          int64_t ldo, int threads) {
   const int64_t m_blocks = (M + 15) / 16;
@@ -213,7 +203,7 @@ void xl_linear_amx_dense(const float* x, const uint16_t* w, float* out, int64_t 
   for (int64_t i = 0; i < M * K; i += 16) /* K % 32 == 0 */
     _mm256_storeu_si256((__m256i*)(xh + i), round_bf16(_mm512_loadu_ps(x + i)));
   uint32_t* xb = pair_interleave(xh, M, K, m_blocks);
-  gemm_tiles(w, xb, NULL, NULL, NULL, out, M, N, K, ldo, m_blocks, 0, threads);
+  gemm_tiles(w, xb, NULL, NULL, NULL, out, M, N, K, ldo, m_blocks, threads);
   free(xb);
   free(xh);
 }

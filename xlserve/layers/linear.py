@@ -20,10 +20,10 @@ from xlserve.parallel import tensor_parallel
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            residual: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias (+ residual)``; few-row bf16 CPU matmuls (decode) take the
-    bandwidth kernel, batches up to ``cpu_ops.AMX_MAX_ROWS`` rows the AMX kernel, or without
-    AMX, on AVX512-BF16, the row kernel's batched blocks (all read the weight in place and
-    add the residual); larger ones the prepacked twin of the weight
+    """``x @ weight.T + bias (+ residual)``; bf16 CPU matmuls of up to ``cpu_ops.AMX_MAX_ROWS``
+    rows (decode) take the AMX kernel, or without AMX the row kernel (1-4 rows, and on
+    AVX512-BF16 its batched blocks up to 64; all read the weight in place and add the
+    residual); larger ones the prepacked twin of the weight
     when there is one (``prepack_linear_weights``), else torch. A weight kept in its file's
     block format computes with its own kernel (``QuantizedWeight.linear``), and under
     ``--deterministic`` a dense one with ``invariant_linear`` (one reduction order per row)."""
@@ -31,10 +31,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return weight.linear(x, bias, residual)
     if invariant_linear.applies(x, weight):  # --deterministic
         return invariant_linear.linear(x, weight, bias, residual)
-    if cpu_ops.use_linear(x, weight):
-        return cpu_ops.linear_bf16(x, weight, bias, residual)
     if cpu_ops.use_amx(x, weight):
         return cpu_ops.linear_amx(x, weight, bias, residual)
+    if cpu_ops.use_linear(x, weight):
+        return cpu_ops.linear_bf16(x, weight, bias, residual)
     packed = getattr(weight, PACKED, None)
     if packed is not None and x.dim() == 2 and x.dtype == weight.dtype:
         out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
