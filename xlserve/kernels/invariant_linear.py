@@ -5,11 +5,11 @@ blocking by shape, so a row's result moves with the batch it is in; these do not
 Two kernels, one per weight, chosen once as the model loads (``kernel_for``), so a weight's rows
 take the same one alone or batched, prefill or decode (``decode_step.py`` reads the choice):
 
-- ``Kernel.AMX`` (``gemm_amx.c:xl_linear_amx_dense``): bf16 weights of a bf16 model on a CPU with
-  AMX tiles, for every row count. Faster than the default path's matmuls at every row count
-  on the 2-core AMX Xeon (30 layers of the default model's bf16 shapes, minimum of 9: 1 row
-  4.45 against 4.81 ms, 8 rows 5.12 against 7.37, 32 rows 7.41 against 10.09), so the mode costs
-  little there.
+- ``Kernel.AMX`` (``gemm_amx.c``: ``xl_linear_amx`` for bf16 rows, ``xl_linear_amx_dense`` for
+  the float32 ones of the one-call decode step and the logits): bf16 weights of a bf16 model on
+  a CPU with AMX tiles, for every row count. The default's bf16 decode matmuls take the same
+  tiles (``cpu_ops.use_amx``), its prefill oneDNN's, which a 512-token prefill on ours now
+  matches (docs/benchmarks.md: the mode's cost there is the rest of a decode step).
 - ``Kernel.TILES`` (``gemm_quant.c:xl_linear_dense``): fp32 multiply-adds on every CPU the
   portable kernels run on (bf16 weights widened exactly), the quantized kernels' order: the
   twin where there are no tiles, and for fp32 weights or activations, and shapes the tiles
