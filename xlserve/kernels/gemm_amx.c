@@ -1,4 +1,4 @@
-/* Batched bf16 matmul on AMX tiles that reads the weight in its plain [N, K] layout.
+/* bf16 matmul on AMX tiles that reads the weight in its plain [N, K] layout.
  *
  * out[M, N] = x[M, K] @ W[N, K]^T for 1 to a few hundred rows (decode, short prefill
  * chunks). oneDNN needs the weight reordered into its blocked layout for AMX:
@@ -118,9 +118,9 @@ static inline __m512 widen16(const uint16_t* p) { return widen_bf16(_mm256_loadu
  * in bf16: + bias, rounded; + residual, rounded again (xl_linear_bf16's rounding); or, with
  * ``out32``, the fp32 sums as they are (the logits). From 3 rows the tile is transposed in
  * registers (64 shuffles, as pair_interleave transposes whole row blocks), so each output row
- * is one store:
- * with a gather per row and a scalar interleave, 30 layers of the default model's bf16 shapes
- * at 512 rows took 81 ms on a 2-core AMX Xeon (minimum of 5), now 65 (oneDNN's: 43). */
+ * is one store. With a gather per row and a scalar interleave, 30 layers of the default
+ * model's bf16 shapes at 512 rows took 81 ms on a 2-core AMX Xeon (minimum of 5); now 65
+ * (oneDNN's: 43). */
 static void write_tile(const float* c, int64_t n0, int64_t m0, int64_t M, int64_t N, int64_t ldo,
                        const uint16_t* bias, const uint16_t* residual, uint16_t* out, float* out32) {
   const int64_t rows = M - m0 < 16 ? M - m0 : 16;
