@@ -100,12 +100,14 @@ static uint32_t* pair_interleave(const uint16_t* x, int64_t M, int64_t K, int64_
       }
       continue;
     }
-    for (int64_t j = 0; j < 16; ++j) {
-      const int64_t m = mb * 16 + j;
-      const uint32_t* row = (const uint32_t*)(x + m * K);
+    /* the last, part-filled block (a decode step's rows): zeroed whole, then its rows' pairs
+     * (1 row, 30 layers: 4.47 -> 4.31 ms against a test per row and pair for all 16) */
+    memset(xb + mb * k_blocks * 256, 0, (size_t)k_blocks * 1024);
+    for (int64_t j = 0; mb * 16 + j < M; ++j) {
+      const uint32_t* row = (const uint32_t*)(x + (mb * 16 + j) * K);
       for (int64_t kb = 0; kb < k_blocks; ++kb) {
         uint32_t* tile = xb + (mb * k_blocks + kb) * 256;
-        for (int64_t p = 0; p < 16; ++p) tile[p * 16 + j] = m < M ? row[kb * 16 + p] : 0;
+        for (int64_t p = 0; p < 16; ++p) tile[p * 16 + j] = row[kb * 16 + p];
       }
     }
   }
