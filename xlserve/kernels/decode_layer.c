@@ -28,7 +28,7 @@ int xl_amx_ready(void);
  * the bits it has alone, cpu_ops.batched_rows). */
 static void project(const void* x, const uint16_t* w, const void* bias, const void* residual, void* out, int64_t B,
                     int64_t N, int64_t K, int bf16, int threads) {
-  if (B >= 1 && bf16 && N % 32 == 0 && K % 32 == 0 && xl_amx_ready())
+  if (bf16 && N % 32 == 0 && K % 32 == 0 && xl_amx_ready())
     xl_linear_amx((const uint16_t*)x, w, bias, residual, out, B, N, K, threads);
   else
     xl_linear_bf16(x, w, bias, residual, out, B, N, K, bf16, threads);

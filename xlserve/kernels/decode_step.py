@@ -51,16 +51,15 @@ def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
 def projection_entry(weight, dtype: torch.dtype) -> list[int] | None:
     """A projection's ``PROJECTION_FIELDS`` table values, or None when the C step cannot compute
     it as the eager path does."""
+    kernel = invariant_linear.kernel_of(weight) if isinstance(weight, torch.Tensor) else None
     if isinstance(weight, QuantizedWeight):
         if len(weight.parts) > MAX_PARTS or any(p.qtype is None or not p.data.is_contiguous() for p in weight.parts):
             return None
         parts = [(int(p.qtype), p.data.data_ptr(), p.data.shape[1], p.rows) for p in weight.parts]
         eight_bit = int(weight.eight_bit_activations)
-    elif isinstance(weight, torch.Tensor) and invariant_linear.kernel_of(weight) is invariant_linear.Kernel.AMX \
-            and weight.is_contiguous():
+    elif kernel is invariant_linear.Kernel.AMX and weight.is_contiguous():
         parts, eight_bit = [(DENSE_CALL, weight.data_ptr(), _amx_dense_address(), weight.shape[0])], 0
-    elif isinstance(weight, torch.Tensor) and invariant_linear.kernel_of(weight) is invariant_linear.Kernel.TILES \
-            and weight.is_contiguous() and weight.dtype in DENSE:
+    elif kernel is invariant_linear.Kernel.TILES and weight.is_contiguous() and weight.dtype in DENSE:
         parts, eight_bit = [(DENSE[weight.dtype], weight.data_ptr(), 0, weight.shape[0])], 0
     else:
         return None

@@ -218,23 +218,27 @@ static void gemm_tiles(const uint16_t* w, const uint32_t* xb, const uint16_t* bi
   }
 }
 
+/* bf16 x [M, K] against w on the tiles, written by write_tile (bf16 ``out`` or fp32 ``out32``, rows
+ * ``ldo`` apart in out32): every entry point below. */
+static void multiply(const uint16_t* x, const uint16_t* w, const void* bias, const void* residual, void* out,
+                     float* out32, int64_t M, int64_t N, int64_t K, int64_t ldo, int threads) {
+  const int64_t m_blocks = (M + 15) / 16;
+  uint32_t* xb = pair_interleave(x, M, K, m_blocks);
+  gemm_tiles(w, xb, bias, residual, out, out32, M, N, K, ldo, m_blocks, threads);
+  free(xb);
+}
+
 /* out = x @ w.T (+ bias) (+ residual), all bf16, rounded as xl_linear_bf16 rounds;
  * K % 32 == 0, N % 32 == 0. */
 void xl_linear_amx(const uint16_t* x, const uint16_t* w, const void* bias, const void* residual, void* out,
                    int64_t M, int64_t N, int64_t K, int threads) {
-  const int64_t m_blocks = (M + 15) / 16;
-  uint32_t* xb = pair_interleave(x, M, K, m_blocks);
-  gemm_tiles(w, xb, bias, residual, out, NULL, M, N, K, N, m_blocks, threads);
-  free(xb);
+  multiply(x, w, bias, residual, out, NULL, M, N, K, N, threads);
 }
 
 /* out [M, N] fp32 = x @ w.T, x and w bf16: the tiles' fp32 sums, never rounded (the logits). */
 void xl_linear_amx_f32(const uint16_t* x, const uint16_t* w, float* out, int64_t M, int64_t N, int64_t K,
                        int threads) {
-  const int64_t m_blocks = (M + 15) / 16;
-  uint32_t* xb = pair_interleave(x, M, K, m_blocks);
-  gemm_tiles(w, xb, NULL, NULL, NULL, out, M, N, K, N, m_blocks, threads);
-  free(xb);
+  multiply(x, w, NULL, NULL, NULL, out, M, N, K, N, threads);
 }
 
 /* out [M, ldo] fp32, columns 0..N-1 = x @ w.T, x fp32 rounded to bf16 (to nearest even: the
@@ -246,13 +250,10 @@ void xl_linear_amx_f32(const uint16_t* x, const uint16_t* w, float* out, int64_t
  * CPU's, not those of another kernel. */
 void xl_linear_amx_dense(const float* x, const uint16_t* w, float* out, int64_t M, int64_t N, int64_t K,
                          int64_t ldo, int threads) {
-  const int64_t m_blocks = (M + 15) / 16;
   uint16_t* xh = aligned_alloc(64, ((size_t)M * K * 2 + 63) / 64 * 64);
   for (int64_t i = 0; i < M * K; i += 16) /* K % 32 == 0 */
     _mm256_storeu_si256((__m256i*)(xh + i), round_bf16(_mm512_loadu_ps(x + i)));
-  uint32_t* xb = pair_interleave(xh, M, K, m_blocks);
-  gemm_tiles(w, xb, NULL, NULL, NULL, out, M, N, K, ldo, m_blocks, threads);
-  free(xb);
+  multiply(xh, w, NULL, NULL, NULL, out, M, N, K, ldo, threads);
   free(xh);
 }
 
