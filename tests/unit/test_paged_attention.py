@@ -15,9 +15,16 @@ pytestmark = pytest.mark.skipif(not BUILDS, reason="no C compiler or not an x86-
 SHAPES = [(9, 3, 64), (4, 4, 32), (16, 1, 128), (6, 2, 80)]
 
 
+# rows of the 40-token chunk that ends a 1,050-token sequence (keys in chunks 0-2 of 512
+# positions, the chunk crossing the 1,024 cut), and the decode row of a 1,300-token one
+LONG_ROWS = (92, 105, 106, 131, 132)
+
+
 def _step(dtype, hq, hk, d, g):
-    """Two decode rows, a 40-token prompt whole and a 50-token chunk after a 300-token prefix."""
-    lens, chunks = [70, 1, 40, 350], [1, 1, 40, 50]
+    """Two decode rows, a 40-token prompt whole and a 50-token chunk after a 300-token prefix;
+    then a 40-token chunk after 1,010 tokens and a decode row at 1,300, whose keys span the
+    kernel's chunks."""
+    lens, chunks = [70, 1, 40, 350, 1050, 1300], [1, 1, 40, 50, 40, 1]
     total = sum(lens) + 16
     k_cache = (3 * torch.randn(total, hk, d, generator=g)).to(dtype)  # wide scores: a peaked softmax
     v_cache = torch.randn(total, hk, d, generator=g).to(dtype)
@@ -52,7 +59,7 @@ def test_rows_match_torch_and_keep_their_bits_alone_and_on_any_thread_count(isa,
     got = attention_ops.paged_attention(lib, *step[:3], *step[3:], scale)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(got.float(), _reference(*step), atol=tol, rtol=tol)
-    for t in (0, 1, 2, 30, 41, 42, q.shape[0] - 1):  # decode rows; first, middle of a prompt; a chunk's edges
+    for t in (0, 1, 2, 30, 41, 42, *LONG_ROWS):  # decode rows; first, middle of a prompt; chunks' edges
         alone = attention_ops.paged_attention(lib, q[t:t + 1], *step[1:4], step[4][t:t + 1], step[5][t:t + 1], scale)
         assert torch.equal(alone[0], got[t]), t
     threads = torch.get_num_threads()
@@ -95,7 +102,7 @@ def test_windows_and_sinks_match_torch_and_cut_tiles_by_position(isa, dtype, win
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(got.float(), _windowed_reference(q, k_cache, v_cache, table, row_seq, row_first,
                                                                 row_len, scale, sinks), atol=tol, rtol=tol)
-    for t in (0, 1, 2, 30, 41, 42, q.shape[0] - 1):
+    for t in (0, 1, 2, 30, 41, 42, *LONG_ROWS):
         alone = attention_ops.paged_attention(lib, q[t:t + 1], k_cache, v_cache, table, row_seq[t:t + 1],
                                               row_len[t:t + 1], scale, row_first[t:t + 1], None, sinks)
         assert torch.equal(alone[0], got[t]), t

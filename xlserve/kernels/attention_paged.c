@@ -2,24 +2,32 @@
  *
  *   out[t, h] = softmax(scale * q[t, h] . K[slots of t's sequence, 0 .. len(t))) V[same]
  *
- * A row's keys are visited in tiles of KT from position 0, with an online softmax (running
- * max and sum, rescaled per tile), each score a VW-lane dot product summed in a fixed order.
- * Nothing depends on which other rows are in the step, whether the earlier keys were
- * computed in this step or cached, how the prompt was chunked, or which thread runs it: a
- * prompt token and the same token decoded later, alone or in a batch, get the same bits.
+ * A row's keys fall into chunks of CHUNK positions. Within a chunk they are visited in tiles of
+ * KT with an online softmax (running max and sum, rescaled per tile), each score a VW-lane dot
+ * product summed in a fixed order; each chunk's partial softmax is then merged into the row's
+ * result in chunk order. Nothing depends on which other rows are in the step, whether the
+ * earlier keys were computed in this step or cached, how the prompt was chunked, which thread
+ * computed a chunk, or whether one item folded every chunk or each chunk was an item of its
+ * own: a prompt token and the same token decoded later, alone or in a batch, get the same bits.
  * (torch's fused attention splits and merges differently for each of those cases.)
  *
- * A work item is up to ROWS consecutive rows of one sequence times the query heads of one KV
- * head: each key tile is read from memory once and used by all of them while it is in L1.
- * Reading it once per (row, head) made a 5,000-token prefill of the default model memory-bound
- * (2.5 MB of K/V streamed per row and head). Each (row, head) still runs exactly the ops of
- * one tile after another, so the grouping changes no bit.
+ * A work item is up to ROWS consecutive rows of one sequence times the query heads of a run of
+ * KV heads, whose rows of a slot lie side by side in the cache: each key tile is read once, a
+ * run per slot, and used by every (row, head) of the item while it is in L1. Reading it once
+ * per (row, head) made a 5,000-token prefill of the default model memory-bound (2.5 MB of K/V
+ * streamed per row and head), and reading one KV head's 128 bytes of each 384-byte slot (the
+ * default model's three heads) cost a decode row 1.6x the contiguous read (4,000 keys, one
+ * thread: 119 against 76 us a head). A step of few items (the decode of a sequence or two)
+ * makes each chunk an item of its own, so every core shares a long row. Each (row, head) runs
+ * the same operations in the same order either way. Both together: the default model's batch-1
+ * decode after a 4,000-token prompt (Q4_1 kept, 2-core AMX Xeon, median of 3 interleaved fresh
+ * processes) 79.5 -> 105 tok/s, after 1,000 tokens 156 -> 172.
  *
  * Windowed layers (sliding: Gemma 3, gpt-oss; chunked: Llama 4) give each row a first key
- * too, and a table may start at any position. Tiles are cut where positions are multiples of
- * KT, whatever the table's start, and a row folds the part of each tile inside its window, so
- * its partition of keys into tiles depends on its positions alone. Attention sinks (gpt-oss)
- * are a key with a logit and no value: each (row, head)'s softmax starts from it.
+ * too, and a table may start at any position. Tiles and chunks are cut where positions are
+ * multiples of KT and CHUNK, whatever the table's start, and a row folds the part of each tile
+ * inside its window, so its partition of keys depends on its positions alone. Attention sinks
+ * (gpt-oss) are a key with a logit and no value: each (row, head)'s result starts from it.
  *
  * fp32 or bf16 queries, cache and output (bf16 widened exactly, fp32 math, the output
  * rounded once).
@@ -27,27 +35,31 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include "bf16.h"
 #include "vec_portable.h"
 
-#define KT 16    /* keys per tile: one rescale of the running sum per tile */
-#define ROWS 16  /* rows of one sequence per work item */
-#define STATES 64 /* (row, head) pairs per work item at most: their q and sums stay in L2 */
-
+#define KT 16      /* keys per tile: one rescale of the running sum per tile */
+#define CHUNK 512  /* positions per chunk: one partial softmax, merged in order */
+#define ROWS 16    /* rows of one sequence per work item */
+#define STATES 192 /* (row, head) pairs per work item at most: their q and sums stay in L2 */
+#define SPAN 256   /* values of a slot an item reads at most: its KV heads' rows side by side */
 
 /* The running softmax of one (row, head): max, sum, and the weighted values in acc [D]. */
 typedef struct {
   float m, l;
 } running_softmax;
 
-/* The first n keys of a gathered tile (kt, vt: [KT, D] fp32) folded into one (row, head)'s
- * running softmax. */
-static void fold_tile(const float* qf, const float* kt, const float* vt, int n, int64_t D, float scale,
+static const running_softmax EMPTY = {-INFINITY, 0.0f};
+
+/* The first n keys of a gathered tile (kt, vt: KT rows of fp32, ``ks`` apart, the head's D
+ * values at the start of each) folded into one (row, head)'s running softmax. */
+static void fold_tile(const float* qf, const float* kt, const float* vt, int64_t ks, int n, int64_t D, float scale,
                       running_softmax* st, float* acc) {
   float s[KT], p[KT], tile_max = -INFINITY;
   int i = 0;
   for (; i + 4 <= n; i += 4) {  /* four keys' dot products side by side: independent FMA chains */
-    const float *k0 = kt + i * D, *k1 = k0 + D, *k2 = k1 + D, *k3 = k2 + D;
+    const float *k0 = kt + i * ks, *k1 = k0 + ks, *k2 = k1 + ks, *k3 = k2 + ks;
     vf d0 = vzero(), d1 = vzero(), d2 = vzero(), d3 = vzero();
     for (int64_t d = 0; d < D; d += VW) {
       const vf qv = vload(qf + d);
@@ -60,7 +72,7 @@ static void fold_tile(const float* qf, const float* kt, const float* vt, int n, 
   }
   for (; i < n; ++i) {
     vf dot = vzero();
-    for (int64_t d = 0; d < D; d += VW) dot = vfma(vload(qf + d), vload(kt + i * D + d), dot);
+    for (int64_t d = 0; d < D; d += VW) dot = vfma(vload(qf + d), vload(kt + i * ks + d), dot);
     s[i] = vsum(dot) * scale;
   }
   for (i = 0; i < n; ++i) tile_max = s[i] > tile_max ? s[i] : tile_max;
@@ -76,7 +88,7 @@ static void fold_tile(const float* qf, const float* kt, const float* vt, int n, 
     vf a0 = vmul(vload(acc + d), r), a1 = vmul(vload(acc + d + VW), r);
     vf a2 = vmul(vload(acc + d + 2 * VW), r), a3 = vmul(vload(acc + d + 3 * VW), r);
     for (i = 0; i < n; ++i) {
-      const float* v = vt + i * D + d;
+      const float* v = vt + i * ks + d;
       const vf w = vset1(p[i]);
       a0 = vfma(w, vload(v), a0);
       a1 = vfma(w, vload(v + VW), a1);
@@ -88,14 +100,27 @@ static void fold_tile(const float* qf, const float* kt, const float* vt, int n, 
   for (; d < D; d += VW) {
     vf a = vmul(vload(acc + d), r);
     for (i = 0; i < n; ++i)
-      a = vfma(vset1(p[i]), vload(vt + i * D + d), a);
+      a = vfma(vset1(p[i]), vload(vt + i * ks + d), a);
     vstore(acc + d, a);
   }
   st->m = m_new;
 }
 
+/* A chunk's partial (``part``, ``pacc``) merged into a (row, head)'s result, both rescaled to
+ * the larger max. An empty partial (no key of the row in the chunk) changes nothing; into an
+ * empty result it is copied exactly (scales 0 and 1). */
+static void merge(running_softmax* st, float* acc, const running_softmax* part, const float* pacc, int64_t D) {
+  if (part->l == 0.0f) return;
+  const float m = part->m > st->m ? part->m : st->m, a = expf(st->m - m), b = expf(part->m - m);
+  st->l = st->l * a + part->l * b;
+  for (int64_t d = 0; d < D; d += VW) vstore(acc + d, vfma(vload(pacc + d), vset1(b), vmul(vload(acc + d), vset1(a))));
+  st->m = m;
+}
+
+/* Rows [row, row + rows) of one sequence x query heads [head, head + heads), which read KV
+ * heads [kh, kh + kvh), x chunks [c0, c1). */
 typedef struct {
-  int64_t row, rows, head, heads; /* rows [row, row + rows) of one sequence x query heads likewise */
+  int64_t row, rows, head, heads, kh, kvh, c0, c1;
 } work_item;
 
 typedef struct {
@@ -103,66 +128,142 @@ typedef struct {
   void* out;
   const int64_t *slots, *row_first, *row_len; /* row t sees table entries [row_first[t], row_len[t]) */
   const float* sinks;                          /* [Hq] or NULL */
-  int64_t q_stride, Hq, kh, D, slot_stride, pos0; /* pos0: the position of the table's entry 0 */
+  int64_t q_stride, Hq, group, D, slot_stride, pos0; /* pos0: the position of the table's entry 0 */
   float scale;
   int bf16;
 } attention_args;
 
-/* Keys and values [j0, j0 + n) of the item's KV head, as fp32 rows of kt and vt (bf16 widened
- * exactly): read from the cache once per tile, not once per (row, head). */
-static void gather_tile(const attention_args* a, int64_t j0, int n, float* kt, float* vt) {
+/* A thread's: the item's queries, results and chunk partials ([states, D] each), and a tile. */
+typedef struct {
+  float *qf, *acc, *pacc, *kt, *vt;
+  running_softmax *st, *pst;
+} scratch;
+
+/* Keys and values [j0, j0 + n) of the item's KV heads as fp32 rows of kt and vt (kvh * D values
+ * a key, bf16 widened exactly): read from the cache once per tile, one run a slot. */
+static void gather_tile(const attention_args* a, const work_item* w, int64_t j0, int n, float* kt, float* vt) {
+  const int64_t span = w->kvh * a->D;
   for (int i = 0; i < n; ++i) {
-    const int64_t at = a->slots[j0 + i] * a->slot_stride + a->kh * a->D;
-    for (int64_t d = 0; d < a->D; d += VW) {
-      vstore(kt + i * a->D + d, load_lanes(a->k_cache, at + d, a->bf16));
-      vstore(vt + i * a->D + d, load_lanes(a->v_cache, at + d, a->bf16));
+    const int64_t at = a->slots[j0 + i] * a->slot_stride + w->kh * a->D;
+    for (int64_t d = 0; d < span; d += VW) {
+      vstore(kt + i * span + d, load_lanes(a->k_cache, at + d, a->bf16));
+      vstore(vt + i * span + d, load_lanes(a->v_cache, at + d, a->bf16));
     }
   }
 }
 
-/* One work item: its (row, head) pairs fold each key tile in turn, then are written out. */
-static void attend_item(const attention_args* a, work_item w, float* qf, float* acc, running_softmax* st, float* kt,
-                        float* vt) {
-  const int64_t D = a->D;
-  int64_t longest = 0, earliest = INT64_MAX;
-  for (int64_t r = 0; r < w.rows; ++r) {
-    const int64_t len = a->row_len[w.row + r], first = a->row_first ? a->row_first[w.row + r] : 0;
-    longest = len > longest ? len : longest;
-    earliest = first < earliest ? first : earliest;
-    for (int64_t h = 0; h < w.heads; ++h) {
-      const int64_t k = r * w.heads + h, at = (w.row + r) * a->q_stride + (w.head + h) * D;
-      for (int64_t d = 0; d < D; d += VW) {
-        vstore(qf + k * D + d, load_lanes(a->q, at + d, a->bf16));
-        vstore(acc + k * D + d, vzero());
-      }
-      /* a sink: a key of logit sinks[head] and no value, folded before any other */
-      st[k] = a->sinks ? (running_softmax){a->sinks[w.head + h], 1.0f} : (running_softmax){-INFINITY, 0.0f};
-    }
+/* The table entries [lo, hi) that rows [row, row + rows) see, cut to chunk c's (c < 0: all). */
+static void entries_in(const attention_args* a, int64_t row, int64_t rows, int64_t c, int64_t* lo, int64_t* hi) {
+  *lo = INT64_MAX, *hi = 0;
+  for (int64_t r = row; r < row + rows; ++r) {
+    const int64_t first = a->row_first ? a->row_first[r] : 0, len = a->row_len[r];
+    *lo = first < *lo ? first : *lo;
+    *hi = len > *hi ? len : *hi;
   }
+  if (c < 0) return;
+  const int64_t c_lo = c * CHUNK - a->pos0, c_hi = c_lo + CHUNK;
+  *lo = *lo > c_lo ? *lo : c_lo;
+  *hi = *hi < c_hi ? *hi : c_hi;
+}
+
+/* The chunks [c0, c1) that keys of rows [row, row + rows) fall in (c1 == c0: none). */
+static void chunks_of(const attention_args* a, int64_t row, int64_t rows, int64_t* c0, int64_t* c1) {
+  int64_t lo, hi;
+  entries_in(a, row, rows, -1, &lo, &hi);
+  *c0 = (a->pos0 + lo) / CHUNK;
+  *c1 = hi > lo ? (a->pos0 + hi - 1) / CHUNK + 1 : *c0;
+}
+
+/* Chunk c folded, tile by tile, into the item's partials (emptied first). */
+static void fold_chunk(const attention_args* a, const work_item* w, int64_t c, scratch* s) {
+  const int64_t D = a->D, span = w->kvh * D;
+  for (int64_t k = 0; k < w->rows * w->heads; ++k) {
+    s->pst[k] = EMPTY;
+    memset(s->pacc + k * D, 0, sizeof(float) * D);
+  }
+  int64_t start, end;
+  entries_in(a, w->row, w->rows, c, &start, &end);
   /* tiles [j0, j1) end where the position is a multiple of KT */
-  for (int64_t j0 = earliest, j1; j0 < longest; j0 = j1) {
+  for (int64_t j0 = start, j1; j0 < end; j0 = j1) {
     j1 = j0 + KT - (a->pos0 + j0) % KT;
-    j1 = j1 < longest ? j1 : longest;
-    gather_tile(a, j0, (int)(j1 - j0), kt, vt);
-    for (int64_t r = 0; r < w.rows; ++r) {
-      const int64_t first = a->row_first ? a->row_first[w.row + r] : 0, len = a->row_len[w.row + r];
+    j1 = j1 < end ? j1 : end;
+    gather_tile(a, w, j0, (int)(j1 - j0), s->kt, s->vt);
+    for (int64_t r = 0; r < w->rows; ++r) {
+      const int64_t first = a->row_first ? a->row_first[w->row + r] : 0, len = a->row_len[w->row + r];
       const int64_t lo = first > j0 ? first : j0, hi = len < j1 ? len : j1;
       if (hi <= lo) continue;
-      for (int64_t k = r * w.heads; k < (r + 1) * w.heads; ++k)
-        fold_tile(qf + k * D, kt + (lo - j0) * D, vt + (lo - j0) * D, (int)(hi - lo), D, a->scale, st + k,
-                  acc + k * D);
+      for (int64_t h = 0; h < w->heads; ++h) {
+        const int64_t k = r * w->heads + h, at = (lo - j0) * span + h / a->group * D;
+        fold_tile(s->qf + k * D, s->kt + at, s->vt + at, span, (int)(hi - lo), D, a->scale, s->pst + k,
+                  s->pacc + k * D);
+      }
     }
   }
-  for (int64_t r = 0; r < w.rows; ++r)
-    for (int64_t h = 0; h < w.heads; ++h) {
-      const int64_t k = r * w.heads + h, o = ((w.row + r) * a->Hq + w.head + h) * D;
-      const float inv = 1.0f / st[k].l;
+}
+
+/* A (row, head)'s result before any chunk: empty, or the sink (a key of that logit, no value). */
+static running_softmax start_of(const attention_args* a, int64_t head) {
+  return a->sinks ? (running_softmax){a->sinks[head], 1.0f} : EMPTY;
+}
+
+/* The item's results started (start_of, zero values). */
+static void start_results(const attention_args* a, const work_item* w, scratch* s) {
+  for (int64_t k = 0; k < w->rows * w->heads; ++k) {
+    s->st[k] = start_of(a, w->head + k % w->heads);
+    memset(s->acc + k * a->D, 0, sizeof(float) * a->D);
+  }
+}
+
+/* acc / l of each (row, head) of the item, rounded once, into out. */
+static void write_out(const attention_args* a, const work_item* w, const scratch* s) {
+  const int64_t D = a->D;
+  for (int64_t r = 0; r < w->rows; ++r)
+    for (int64_t h = 0; h < w->heads; ++h) {
+      const int64_t k = r * w->heads + h, o = ((w->row + r) * a->Hq + w->head + h) * D;
+      const float inv = 1.0f / s->st[k].l;
       for (int64_t d = 0; d < D; ++d) {
-        const float v = acc[k * D + d] * inv;
+        const float v = s->acc[k * D + d] * inv;
         if (a->bf16) ((uint16_t*)a->out)[o + d] = f32_to_bf16(v);
         else ((float*)a->out)[o + d] = v;
       }
     }
+}
+
+/* One work item: its queries loaded, then each of its chunks folded into partials. Without
+ * ``part`` the partials are merged into the results in chunk order and written out; with it (an
+ * item of one chunk) they are stored there ((m, l) per state, then [states, D]) for merge_parts. */
+static void attend_item(const attention_args* a, const work_item* w, scratch* s, float* part) {
+  const int64_t D = a->D, states = w->rows * w->heads;
+  for (int64_t k = 0; k < states; ++k) {
+    const int64_t at = (w->row + k / w->heads) * a->q_stride + (w->head + k % w->heads) * D;
+    for (int64_t d = 0; d < D; d += VW) vstore(s->qf + k * D + d, load_lanes(a->q, at + d, a->bf16));
+  }
+  if (part) { /* one chunk (none: an empty partial) */
+    if (w->c1 > w->c0) fold_chunk(a, w, w->c0, s);
+    for (int64_t k = 0; k < states; ++k) ((running_softmax*)part)[k] = w->c1 > w->c0 ? s->pst[k] : EMPTY;
+    memcpy(part + 2 * states, s->pacc, sizeof(float) * states * D);
+    return;
+  }
+  start_results(a, w, s);
+  for (int64_t c = w->c0; c < w->c1; ++c) {
+    fold_chunk(a, w, c, s);
+    for (int64_t k = 0; k < states; ++k) merge(s->st + k, s->acc + k * D, s->pst + k, s->pacc + k * D, D);
+  }
+  write_out(a, w, s);
+}
+
+/* The ``count`` partials attend_item stored for an item's chunks (``size`` floats apart), merged
+ * in chunk order into its results, as attend_item merges them, and written out. */
+static void merge_parts(const attention_args* a, const work_item* w, const float* parts, int64_t count, int64_t size,
+                        scratch* s) {
+  const int64_t D = a->D, states = w->rows * w->heads;
+  start_results(a, w, s);
+  for (int64_t c = 0; c < count; ++c) {
+    const running_softmax* pst = (const running_softmax*)(parts + c * size);
+    const float* pacc = parts + c * size + 2 * states;
+    for (int64_t k = 0; k < states; ++k) merge(s->st + k, s->acc + k * D, pst + k, pacc + k * D, D);
+  }
+  write_out(a, w, s);
 }
 
 /* Row blocks: runs of up to ``rows_per_item`` consecutive rows with one table. Returns how many;
@@ -175,6 +276,74 @@ static int64_t row_blocks(const int64_t* row_seq, int64_t T, int64_t rows_per_it
   return count;
 }
 
+static scratch scratch_for(int64_t states, int64_t D, int64_t span) {
+  scratch s;
+  s.qf = (float*)aligned_alloc(64, sizeof(float) * states * D);
+  s.acc = (float*)aligned_alloc(64, sizeof(float) * states * D);
+  s.pacc = (float*)aligned_alloc(64, sizeof(float) * states * D);
+  s.kt = (float*)aligned_alloc(64, sizeof(float) * KT * span);
+  s.vt = (float*)aligned_alloc(64, sizeof(float) * KT * span);
+  s.st = (running_softmax*)malloc(sizeof(running_softmax) * states);
+  s.pst = (running_softmax*)malloc(sizeof(running_softmax) * states);
+  return s;
+}
+
+static void free_scratch(scratch* s) {
+  free(s->qf), free(s->acc), free(s->pacc), free(s->kt), free(s->vt), free(s->st), free(s->pst);
+}
+
+/* The layout of a call's work: KV heads read side by side, row blocks, and per block its
+ * items: one, or (``split``) one per chunk, first_item[b] .. first_item[b + 1]. */
+typedef struct {
+  int64_t kvh, runs, heads, blocks, states, items, *starts, *first_item;
+  int split;
+} plan;
+
+static plan plan_for(const attention_args* base, const int64_t* table_pos0, const int64_t* row_seq, int64_t T,
+                     int64_t Hk, int threads) {
+  plan p;
+  p.kvh = base->D >= SPAN ? 1 : SPAN / base->D;
+  p.kvh = p.kvh > Hk ? Hk : p.kvh;
+  while (Hk % p.kvh) --p.kvh;
+  p.runs = Hk / p.kvh, p.heads = p.kvh * base->group;
+  int64_t rows_per_item = STATES / p.heads < 1 ? 1 : STATES / p.heads, rows = 1;
+  rows_per_item = rows_per_item > ROWS ? ROWS : rows_per_item;
+  p.starts = (int64_t*)malloc(sizeof(int64_t) * (T + 1));
+  p.blocks = row_blocks(row_seq, T, rows_per_item, p.starts);
+  for (int64_t b = 0; b < p.blocks; ++b) rows = p.starts[b + 1] - p.starts[b] > rows ? p.starts[b + 1] - p.starts[b] : rows;
+  p.states = rows * p.heads; /* (row, head) pairs of the largest item: a decode step's are one row's */
+  p.split = p.blocks * p.runs < 4 * threads; /* too few items for the threads: a chunk each */
+  p.first_item = (int64_t*)malloc(sizeof(int64_t) * (p.blocks + 1));
+  p.first_item[0] = 0;
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    attention_args a = *base;
+    a.pos0 = table_pos0 ? table_pos0[row_seq[p.starts[b]]] : 0;
+    int64_t c0, c1;
+    chunks_of(&a, p.starts[b], p.starts[b + 1] - p.starts[b], &c0, &c1);
+    p.first_item[b + 1] = p.first_item[b] + (p.split && c1 - c0 > 1 ? c1 - c0 : 1);
+  }
+  p.items = p.first_item[p.blocks];
+  return p;
+}
+
+/* Item ``i`` of run ``run``: its arguments and its rows, heads and chunks. */
+static void item_of(const plan* p, const attention_args* base, const int64_t* table, int64_t L,
+                    const int64_t* table_pos0, const int64_t* row_seq, int64_t i, attention_args* a, work_item* w) {
+  const int64_t run = i / p->items, at = i % p->items;
+  int64_t b = 0;
+  while (p->first_item[b + 1] <= at) ++b;
+  const int64_t seq = row_seq[p->starts[b]];
+  *a = *base;
+  a->slots = table + seq * L;
+  a->pos0 = table_pos0 ? table_pos0[seq] : 0;
+  *w = (work_item){p->starts[b], p->starts[b + 1] - p->starts[b], run * p->heads, p->heads, run * p->kvh, p->kvh, 0, 0};
+  chunks_of(a, w->row, w->rows, &w->c0, &w->c1);
+  if (p->first_item[b + 1] - p->first_item[b] > 1) { /* one chunk of a split block */
+    w->c0 += at - p->first_item[b];
+    w->c1 = w->c0 + 1;
+  }
+}
+
 /* q: [T, Hq, D] with row stride q_stride (elements); caches: [slots, Hk, D]; table: [S, L]
  * slot tables, table_pos0[s] the position of table s's entry 0 (NULL: 0); row_seq[t] its
  * table, row t attends to entries [row_first[t], row_len[t]) of it (row_first NULL: from 0;
@@ -185,37 +354,37 @@ void xl_paged_attention_windowed(const void* q, int64_t q_stride, int64_t T, int
                                  const int64_t* table_pos0, const int64_t* row_seq, const int64_t* row_first,
                                  const int64_t* row_len, const float* sinks, float scale, void* out, int bf16,
                                  int threads) {
-  const int64_t group = Hq / Hk;
-  int64_t* starts = (int64_t*)malloc(sizeof(int64_t) * (T + 1));
-  int64_t rows_per_item = STATES / group < 1 ? 1 : STATES / group;
-  rows_per_item = rows_per_item > ROWS ? ROWS : rows_per_item;
-  const int64_t blocks = row_blocks(row_seq, T, rows_per_item, starts);
-  /* too few items to share among the threads (decode of a sequence or two): a head each */
-  const int64_t heads = blocks * Hk >= threads ? group : 1, per_kv = group / heads;
+  const attention_args base = {q, k_cache, v_cache, out, NULL, row_first, row_len, sinks, q_stride, Hq, Hq / Hk, D,
+                               Hk * D, 0, scale, bf16};
+  plan p = plan_for(&base, table_pos0, row_seq, T, Hk, threads);
+  const int64_t states = p.states, size = 2 * states + states * D; /* a stored partial's floats */
+  float* parts = p.split ? (float*)malloc(sizeof(float) * p.items * p.runs * size) : NULL;
 #pragma omp parallel num_threads(threads)
   {
-    const int64_t states = rows_per_item * heads;
-    float* qf = (float*)aligned_alloc(64, sizeof(float) * states * D);
-    float* acc = (float*)aligned_alloc(64, sizeof(float) * states * D);
-    running_softmax* st = (running_softmax*)malloc(sizeof(running_softmax) * states);
-    float* kt = (float*)aligned_alloc(64, sizeof(float) * KT * D);
-    float* vt = (float*)aligned_alloc(64, sizeof(float) * KT * D);
+    scratch s = scratch_for(states, D, p.kvh * D);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < blocks * Hk * per_kv; ++i) {
-      const int64_t b = i / (Hk * per_kv), kh = i / per_kv % Hk, part = i % per_kv;
-      const int64_t seq = row_seq[starts[b]];
-      const attention_args a = {q, k_cache, v_cache, out, table + seq * L, row_first, row_len, sinks, q_stride, Hq,
-                                kh, D, Hk * D, table_pos0 ? table_pos0[seq] : 0, scale, bf16};
-      const work_item w = {starts[b], starts[b + 1] - starts[b], kh * group + part * heads, heads};
-      attend_item(&a, w, qf, acc, st, kt, vt);
+    for (int64_t i = 0; i < p.items * p.runs; ++i) {
+      attention_args a;
+      work_item w;
+      item_of(&p, &base, table, L, table_pos0, row_seq, i, &a, &w);
+      attend_item(&a, &w, &s, p.split ? parts + i * size : NULL);
     }
-    free(qf);
-    free(acc);
-    free(st);
-    free(kt);
-    free(vt);
+    if (p.split) { /* each block's partials merged in chunk order */
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t i = 0; i < p.blocks * p.runs; ++i) {
+        const int64_t b = i % p.blocks, run = i / p.blocks;
+        attention_args a;
+        work_item w;
+        item_of(&p, &base, table, L, table_pos0, row_seq, run * p.items + p.first_item[b], &a, &w);
+        merge_parts(&a, &w, parts + (run * p.items + p.first_item[b]) * size, p.first_item[b + 1] - p.first_item[b],
+                    size, &s);
+      }
+    }
+    free_scratch(&s);
   }
-  free(starts);
+  free(parts);
+  free(p.first_item);
+  free(p.starts);
 }
 
 /* Every row from its table's entry 0, no sinks (full attention; the one-call decode step). */
