@@ -15,9 +15,10 @@ pytestmark = pytest.mark.skipif(not BUILDS, reason="no C compiler or not an x86-
 SHAPES = [(9, 3, 64), (4, 4, 32), (16, 1, 128), (6, 2, 80)]
 
 
-# rows of the 40-token chunk that ends a 1,050-token sequence (keys in chunks 0-2 of 512
-# positions, the chunk crossing the 1,024 cut), and the decode row of a 1,300-token one
-LONG_ROWS = (92, 105, 106, 131, 132)
+# the last row of the 50-token chunk; rows of the 40-token chunk that ends a 1,050-token sequence
+# (keys in chunks 0-2 of 512 positions, the chunk crossing the 1,024 cut), and the decode row of a
+# 1,300-token one
+LONG_ROWS = (91, 92, 105, 106, 131, 132)
 
 
 def _step(dtype, hq, hk, d, g):
