@@ -8,6 +8,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "scratch.h"
 
 void xl_rmsnorm(const void* x, const void* w, void* out, int64_t T, int64_t H, float eps, int bf16);
 void xl_rope(void* qkv, const void* cs, const void* sn, int64_t T, int64_t row, int64_t Hq, int64_t Hk,
@@ -42,12 +43,12 @@ void xl_decode_layer(void* x, int64_t B, int64_t H, const void* ln1, const void*
                      const void* sn, void* kc, void* vc, const int64_t* new_slots, const int64_t* slots,
                      const int64_t* lens, int64_t L, float scale, int bf16, int threads) {
   const int64_t es = bf16 ? 2 : 4, row = (Hq + 2 * Hk) * D;
-  char* h = malloc(B * H * es);
-  char* qkv = malloc(B * row * es);
-  char* attn = malloc(B * Hq * D * es);
-  char* gate_up = malloc(B * 2 * I * es);
-  char* act = malloc(B * I * es);
-  char* x2 = malloc(B * H * es);
+  char* h = xl_scratch(B * H * es);
+  char* qkv = xl_scratch(B * row * es);
+  char* attn = xl_scratch(B * Hq * D * es);
+  char* gate_up = xl_scratch(B * 2 * I * es);
+  char* act = xl_scratch(B * I * es);
+  char* x2 = xl_scratch(B * H * es);
 
   xl_rmsnorm(x, ln1, h, B, H, eps, bf16);
   project(h, w_qkv, b_qkv, NULL, qkv, B, row, H, bf16, threads);

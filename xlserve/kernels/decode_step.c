@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "scratch.h"
 #include "vec_portable.h"
 
 void xl_linear_quant(int type, const float* x, const uint8_t* w, int64_t row_bytes, float* out, int64_t M,
@@ -210,8 +211,9 @@ void xl_decode_step(void* x, int64_t B, int64_t H, int64_t n_layers, const int64
   const step_shape s = {B, H, Hq, Hk, D, I, L, eps, scale, bf16, threads, cs, sn, new_slots, table, row_seq, row_len};
   const int64_t es = bf16 ? 2 : 4, row = (Hq + 2 * Hk) * D, widest = row > 2 * I ? row : 2 * I;
   const int64_t inputs = H > Hq * D ? (H > I ? H : I) : (Hq * D > I ? Hq * D : I);
-  scratch w = {malloc(B * H * es), malloc(B * row * es), malloc(B * Hq * D * es), malloc(B * H * es),
-               malloc(B * 2 * I * es), malloc(B * I * es), malloc(B * inputs * 4), malloc(B * widest * 4)};
+  scratch w = {xl_scratch(B * H * es), xl_scratch(B * row * es), xl_scratch(B * Hq * D * es),
+               xl_scratch(B * H * es), xl_scratch(B * 2 * I * es), xl_scratch(B * I * es),
+               xl_scratch(B * inputs * 4), xl_scratch(B * widest * 4)};
   for (int64_t i = 0; i < n_layers; ++i) decode_layer(layers + i * LAYER_FIELDS, x, &s, &w);
   free(w.h);
   free(w.qkv);

@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "quant_blocks.h"
+#include "scratch.h"
 #include "vec_portable.h"
 
 int xl_q8_handles(int type) { return type == Q4_0 || type == Q4_1 || type == Q8_0; }
@@ -312,8 +313,8 @@ static inline __attribute__((always_inline)) void tiles_of(int type, const uint8
 void xl_linear_q8(int type, const float* x, const uint8_t* w, int64_t row_bytes, float* out, int64_t M, int64_t N,
                   int64_t K, int64_t ldo, int threads) {
   const int64_t blocks = K / 32, tiles = (N + NR - 1) / NR;
-  int8_t* xq = (int8_t*)malloc((size_t)(M * K));
-  act_block* xb = (act_block*)malloc(sizeof(act_block) * (size_t)(M * blocks));
+  int8_t* xq = (int8_t*)xl_scratch((size_t)(M * K));
+  act_block* xb = (act_block*)xl_scratch(sizeof(act_block) * (size_t)(M * blocks));
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, xq + m * K, xb + m * blocks);
   if (type == Q4_1) tiles_of(Q4_1, w, row_bytes, xq, xb, blocks, out, M, N, ldo, tiles, threads);

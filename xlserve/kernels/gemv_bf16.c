@@ -86,6 +86,7 @@ void xl_gemv_bf16(const float* x, const uint16_t* w, float* out, int64_t M, int6
 #include <string.h>
 
 #include "bf16.h"
+#include "scratch.h"
 
 #ifdef XL_HAVE_BF16_DOT
 /* bf16 activations on CPUs with AVX512-BF16: vdpbf16ps multiplies 32 bf16 pairs per
@@ -196,7 +197,7 @@ static void linear_epilogue(float* of, const void* bias, const void* residual, v
 void xl_linear_bf16(const void* x, const uint16_t* w, const void* bias, const void* residual, void* out,
                     int64_t M, int64_t N, int64_t K, int bf16, int threads) {
   const int f32_out = bf16 == XL_BF16_X_F32_OUT;
-  float* of = (bf16 && !f32_out) ? (float*)malloc(sizeof(float) * M * N) : (float*)out;
+  float* of = (bf16 && !f32_out) ? (float*)xl_scratch(sizeof(float) * M * N) : (float*)out;
   float* xf = (float*)x;
 #ifdef XL_HAVE_BF16_DOT
   if (bf16) {
@@ -205,7 +206,7 @@ void xl_linear_bf16(const void* x, const uint16_t* w, const void* bias, const vo
   }
 #endif
   if (bf16 && xf) {
-    xf = (float*)malloc(sizeof(float) * M * K);
+    xf = (float*)xl_scratch(sizeof(float) * M * K);
     for (int64_t i = 0; i < M * K; ++i) xf[i] = bf16_to_f32(((const uint16_t*)x)[i]);
   }
   if (xf) xl_gemv_bf16(xf, w, of, M, N, K, threads);
