@@ -412,13 +412,16 @@ class _Guesser(NgramProposer):
     """Guesses the same tokens whatever it is shown, and remembers what it was shown."""
     guesses_ahead = True
 
-    def __init__(self, guesses: list[int], ahead: bool = True):
+    def __init__(self, guesses: list[int], ahead: bool = True, evidence: int = 0):
         super().__init__()
-        self.guesses, self.seen, self.guesses_ahead = guesses, [], ahead
+        self.guesses, self.seen, self.guesses_ahead, self.evidence = guesses, [], ahead, evidence
 
     def propose(self, request_id: str, tokens: list[int], k: int) -> list[int]:
+        return self.propose_scored(request_id, tokens, k)[0]
+
+    def propose_scored(self, request_id: str, tokens: list[int], k: int) -> tuple[list[int], int]:
         self.seen.append(list(tokens))
-        return self.guesses[:k]
+        return self.guesses[:k], self.evidence
 
 
 def _decoding_request(max_tokens: int = 64):
@@ -476,6 +479,37 @@ def _checking_row(request_id, params, last, proposed, start=0, output_index=0):
     from xlserve.engine.scheduler import ScheduledRequest
     return ScheduledRequest(request_id, [last, *proposed], start, [0], True, params, None, output_index,
                             num_proposed=len(proposed))
+
+
+def test_a_lookups_guesses_are_planned_at_the_rate_of_their_evidence():
+    """A request whose guesses on novel values kept missing still guesses deep where the lookup
+    matched a long context (a repeated call's arguments): the plan takes the rate that guesses
+    on that much evidence had across requests, and that rate learns from the outcome. A
+    proposer that gives no evidence is planned at the request's own rate."""
+    from xlserve.engine.scheduler import SchedulerOutput
+    from xlserve.engine.speculation import Speculation, evidence_class
+    grammar = _ScriptedGrammar([7, *[None] * 12], start=1)  # any of 50-59 at every place
+    guesses = [50, 51, 52, 53, 54, 55, 56, 57]
+
+    def speculation_for(evidence):
+        speculation = Speculation(_Guesser(guesses, evidence=evidence), 0)
+        for rows in range(1, 10):  # a checked row costs a tenth of a step
+            speculation.step_costs.record(rows, 1 + 0.1 * (rows - 1), 1 + 0.1 * (rows - 1))
+        speculation.draft_lengths["r"] = DraftLength(rate=0.1)
+        speculation.by_evidence[evidence_class(24)] = DraftLength(rate=0.95)
+        return speculation
+    long_match, req = speculation_for(24), _decoding_request()
+    long_match.propose([req], 4096, grammar.continuation)
+    assert req.spec_token_ids == guesses
+    before = long_match.by_evidence[evidence_class(24)].rate
+    long_match.record(SchedulerOutput([_scheduled(req)], 9), {"r": [50, 51, 52, 53, 54, 55, 56, 57, 58]})
+    assert long_match.by_evidence[evidence_class(24)].rate > before
+    assert evidence_class(3) not in long_match.by_evidence  # each class learns from its own guesses
+    req.spec_token_ids = []
+    speculation_for(0).propose([req], 4096, grammar.continuation)
+    assert req.spec_token_ids == []  # at 0.1 a guess is not worth its row here
+    speculation_for(3).propose([req], 4096, grammar.continuation)
+    assert req.spec_token_ids == guesses[:3]  # a class never checked starts at 0.6: 3 guesses pay best
 
 
 def test_a_new_request_starts_at_the_recent_rate_of_guesses():

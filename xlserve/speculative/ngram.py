@@ -22,6 +22,10 @@ class NgramProposer(Proposer):
         self.indexes: dict[str, tuple[dict, list[int]]] = {}  # request -> (n-gram -> last end, [indexed])
 
     def propose(self, request_id: str, tokens: list[int], k: int) -> list[int]:
+        return self.propose_scored(request_id, tokens, k)[0]
+
+    def propose_scored(self, request_id: str, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """The guesses and the n of the n-gram they follow."""
         index, done = self.indexes.setdefault(request_id, ({}, [0]))
         end = len(tokens) - 1  # n-grams ending before the last token: the last one's own is no match
         for e in range(max(done[0], min(SIZES) - 1), end):
@@ -33,8 +37,8 @@ class NgramProposer(Proposer):
             if len(tokens) >= n:
                 found = index.get(tuple(tokens[-n:]))
                 if found is not None:
-                    return tokens[found + 1:found + 1 + k]
-        return []
+                    return tokens[found + 1:found + 1 + k], n
+        return [], 0
 
     def reset(self) -> None:
         """Nothing is shared across requests."""

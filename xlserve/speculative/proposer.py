@@ -41,6 +41,13 @@ class Proposer(ABC):
     def propose(self, request_id: str, tokens: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens to follow ``tokens`` (the request's prompt and output so far)."""
 
+    def propose_scored(self, request_id: str, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """``propose``, with the evidence for the guesses: how many of the latest tokens the
+        context they continue matched (0: the proposer does not say). A lookup's guesses after
+        a long match land far more often than after two tokens, whatever request asks, so the
+        engine learns how often guesses land per evidence (``engine/speculation.py``)."""
+        return self.propose(request_id, tokens, k), 0
+
     @abstractmethod
     def reset(self) -> None:
         """Forget what was learned across requests (a benchmark run starts from nothing)."""

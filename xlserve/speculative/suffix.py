@@ -66,15 +66,19 @@ class SuffixProposer(Proposer):
         self.shared_tokens = shared_tokens
 
     def propose(self, request_id: str, tokens: list[int], k: int) -> list[int]:
+        return self.propose_scored(request_id, tokens, k)[0]
+
+    def propose_scored(self, request_id: str, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """The guesses and the length of the longest match they continue (up to MATCH)."""
         own = self.requests.setdefault(request_id, TokenIndex())
         own.extend(tokens[len(own.tokens):])
         sources = [(own, m) for m in own.matches(tokens, len(tokens) - 1)]  # not the query's own end
         sources += [(self.shared, m) for m in self.shared.matches(tokens, len(self.shared.tokens))]
         if not sources:
-            return []
+            return [], 0
         best = max(length for _, (length, _) in sources)
         if best < 3:  # two tokens alone predict little
-            return []
+            return [], 0
         runs = [(index, end) for index, (length, end) in sources if 2 * length >= best]
         out: list[int] = []
         while len(out) < k and runs:
@@ -88,7 +92,7 @@ class SuffixProposer(Proposer):
             out.append(token)
             runs = [(index, end) for index, end in runs
                     if end + len(out) < len(index.tokens) and index.tokens[end + len(out)] == token]
-        return out
+        return out, best if out else 0
 
     def reset(self) -> None:
         self.shared, self.answers = TokenIndex(), deque()
