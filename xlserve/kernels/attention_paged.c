@@ -3,9 +3,9 @@
  *   out[t, h] = softmax(scale * q[t, h] . K[slots of t's sequence, 0 .. len(t))) V[same]
  *
  * A row's keys fall into chunks of CHUNK positions. Within a chunk they are visited in tiles of
- * KT with an online softmax (running max and sum, rescaled per tile), each score a VW-lane dot
- * product summed in a fixed order; each chunk's partial softmax is then merged into the row's
- * result in chunk order. Nothing depends on which other rows are in the step, whether the
+ * KT with an online softmax (running max and sum, rescaled per tile), the tile's keys transposed
+ * so that each score is one lane's dot product along D and the weights are summed as lanes, in a
+ * fixed order; each chunk's partial softmax is then merged into the row's result in chunk order. Nothing depends on which other rows are in the step, whether the
  * earlier keys were computed in this step or cached, how the prompt was chunked, which thread
  * computed a chunk, or whether one item folded every chunk or each chunk was an item of its
  * own: a prompt token and the same token decoded later, alone or in a batch, get the same bits.
@@ -52,59 +52,84 @@ typedef struct {
 
 static const running_softmax EMPTY = {-INFINITY, 0.0f};
 
-/* The first n keys of a gathered tile (kt, vt: KT rows of fp32, ``ks`` apart, the head's D
- * values at the start of each) folded into one (row, head)'s running softmax. */
-static void fold_tile(const float* qf, const float* kt, const float* vt, int64_t ks, int n, int64_t D, float scale,
-                      running_softmax* st, float* acc) {
-  float s[KT], p[KT], tile_max = -INFINITY;
-  int i = 0;
-  for (; i + 4 <= n; i += 4) {  /* four keys' dot products side by side: independent FMA chains */
-    const float *k0 = kt + i * ks, *k1 = k0 + ks, *k2 = k1 + ks, *k3 = k2 + ks;
-    vf d0 = vzero(), d1 = vzero(), d2 = vzero(), d3 = vzero();
-    for (int64_t d = 0; d < D; d += VW) {
-      const vf qv = vload(qf + d);
-      d0 = vfma(qv, vload(k0 + d), d0);
-      d1 = vfma(qv, vload(k1 + d), d1);
-      d2 = vfma(qv, vload(k2 + d), d2);
-      d3 = vfma(qv, vload(k3 + d), d3);
-    }
-    s[i] = vsum(d0) * scale, s[i + 1] = vsum(d1) * scale, s[i + 2] = vsum(d2) * scale, s[i + 3] = vsum(d3) * scale;
+/* G (row, head) pairs that read one KV head, folded together over a gathered tile: each into
+ * its running softmax. The tile's keys are transposed (kt: the KV head's D rows of KT lanes, a
+ * key a lane); the rows' keys are lanes [first, first + n) (the others are another row's or past
+ * the tile's end), their values rows of vt (``ks`` apart, from lane ``first``'s). A lane's score
+ * is one dot product along D in four interleaved sums and the tile's weights are summed as
+ * lanes: no horizontal sum per key. Each pair's operations and their order do not depend on G:
+ * the pairs only share the loads of the keys and values and interleave their chains. The states
+ * are G consecutive ones: qf, st and acc (D floats each) of heads h .. h + G - 1. */
+#define FOLD_TILES(G)                                                                                          \
+  static void fold_tile_##G(const float* qf, const float* kt, const float* vt, int64_t ks, int first, int n,    \
+                            int64_t D, float scale, running_softmax* st, float* acc) {                         \
+    float s[G][KT], p[G][KT], rescale[G];                                                                      \
+    vf a[G][4][KT / VW];                                                                                       \
+    for (int g = 0; g < G; ++g)                                                                                \
+      for (int c = 0; c < 4; ++c)                                                                              \
+        for (int j = 0; j < KT / VW; ++j) a[g][c][j] = vzero();                                                \
+    for (int64_t d = 0; d < D; d += 4)                                                                         \
+      for (int j = 0; j < KT / VW; ++j)                                                                        \
+        for (int c = 0; c < 4; ++c) {                                                                          \
+          const vf k = vload(kt + (d + c) * KT + j * VW);                                                      \
+          for (int g = 0; g < G; ++g) a[g][c][j] = vfma(vset1(qf[g * D + d + c]), k, a[g][c][j]);             \
+        }                                                                                                      \
+    for (int g = 0; g < G; ++g) {                                                                              \
+      for (int j = 0; j < KT / VW; ++j)                                                                        \
+        vstore(s[g] + j * VW, vmul(vadd(vadd(a[g][0][j], a[g][1][j]), vadd(a[g][2][j], a[g][3][j])),          \
+                                   vset1(scale)));                                                             \
+      rescale[g] = softmax_weights(s[g], p[g], first, n, st + g);                                              \
+    }                                                                                                          \
+    int64_t d = 0;                                                                                             \
+    for (; d + 4 * VW <= D; d += 4 * VW) { /* four vectors of each output side by side, each in key order */  \
+      vf b[G][4];                                                                                              \
+      for (int g = 0; g < G; ++g)                                                                              \
+        for (int c = 0; c < 4; ++c) b[g][c] = vmul(vload(acc + g * D + d + c * VW), vset1(rescale[g]));      \
+      for (int i = 0; i < n; ++i)                                                                              \
+        for (int c = 0; c < 4; ++c) {                                                                          \
+          const vf v = vload(vt + i * ks + d + c * VW);                                                        \
+          for (int g = 0; g < G; ++g) b[g][c] = vfma(vset1(p[g][first + i]), v, b[g][c]);                     \
+        }                                                                                                      \
+      for (int g = 0; g < G; ++g)                                                                              \
+        for (int c = 0; c < 4; ++c) vstore(acc + g * D + d + c * VW, b[g][c]);                                \
+    }                                                                                                          \
+    for (; d < D; d += VW)                                                                                     \
+      for (int g = 0; g < G; ++g) {                                                                            \
+        vf b = vmul(vload(acc + g * D + d), vset1(rescale[g]));                                               \
+        for (int i = 0; i < n; ++i) b = vfma(vset1(p[g][first + i]), vload(vt + i * ks + d), b);             \
+        vstore(acc + g * D + d, b);                                                                            \
+      }                                                                                                        \
   }
-  for (; i < n; ++i) {
-    vf dot = vzero();
-    for (int64_t d = 0; d < D; d += VW) dot = vfma(vload(qf + d), vload(kt + i * ks + d), dot);
-    s[i] = vsum(dot) * scale;
-  }
-  for (i = 0; i < n; ++i) tile_max = s[i] > tile_max ? s[i] : tile_max;
-  for (i = n; i < KT; ++i) s[i] = -INFINITY;
+
+/* A pair's scores s (lanes [first, first + n) its keys) -> its weights p against the new running
+ * max, which ``st`` takes with the weights' sum; returns the factor its earlier values take. */
+static float softmax_weights(float* s, float* p, int first, int n, running_softmax* st) {
+  const int partial = first > 0 || n < KT;
+  if (partial)
+    for (int i = 0; i < KT; ++i)
+      if (i < first || i >= first + n) s[i] = -INFINITY;
+  vf top = vload(s);
+  for (int j = VW; j < KT; j += VW) top = vmax(top, vload(s + j));
+  const float tile_max = vmax_lanes(top);
   const float m_new = tile_max > st->m ? tile_max : st->m, rescale = expf(st->m - m_new);
-  for (i = 0; i < KT; i += VW) vstore(p + i, vexp(vsub(vload(s + i), vset1(m_new))));
-  float tile_sum = 0.0f;
-  for (i = 0; i < n; ++i) tile_sum += p[i];
-  st->l = st->l * rescale + tile_sum;
-  const vf r = vset1(rescale);
-  int64_t d = 0;
-  for (; d + 4 * VW <= D; d += 4 * VW) {  /* four vectors of the output side by side, each in key order */
-    vf a0 = vmul(vload(acc + d), r), a1 = vmul(vload(acc + d + VW), r);
-    vf a2 = vmul(vload(acc + d + 2 * VW), r), a3 = vmul(vload(acc + d + 3 * VW), r);
-    for (i = 0; i < n; ++i) {
-      const float* v = vt + i * ks + d;
-      const vf w = vset1(p[i]);
-      a0 = vfma(w, vload(v), a0);
-      a1 = vfma(w, vload(v + VW), a1);
-      a2 = vfma(w, vload(v + 2 * VW), a2);
-      a3 = vfma(w, vload(v + 3 * VW), a3);
-    }
-    vstore(acc + d, a0), vstore(acc + d + VW, a1), vstore(acc + d + 2 * VW, a2), vstore(acc + d + 3 * VW, a3);
-  }
-  for (; d < D; d += VW) {
-    vf a = vmul(vload(acc + d), r);
-    for (i = 0; i < n; ++i)
-      a = vfma(vset1(p[i]), vload(vt + i * ks + d), a);
-    vstore(acc + d, a);
-  }
+  for (int i = 0; i < KT; i += VW) vstore(p + i, vexp(vsub(vload(s + i), vset1(m_new))));
+  if (partial) /* vexp floors its argument: an outside lane would weigh exp(-87), not 0 */
+    for (int i = 0; i < KT; ++i)
+      if (i < first || i >= first + n) p[i] = 0.0f;
+  vf weights = vload(p);
+  for (int j = VW; j < KT; j += VW) weights = vadd(weights, vload(p + j));
+  st->l = st->l * rescale + vsum(weights);
   st->m = m_new;
+  return rescale;
 }
+
+#ifndef FOLD_GROUP
+#define FOLD_GROUP 4 /* pairs folded together at most */
+#endif
+FOLD_TILES(1) FOLD_TILES(2) FOLD_TILES(3) FOLD_TILES(4)
+typedef void (*fold_fn)(const float*, const float*, const float*, int64_t, int, int, int64_t, float, running_softmax*,
+                        float*);
+static const fold_fn FOLDS[FOLD_GROUP + 1] = {0, fold_tile_1, fold_tile_2, fold_tile_3, fold_tile_4};
 
 /* A chunk's partial (``part``, ``pacc``) merged into a (row, head)'s result, both rescaled to
  * the larger max. An empty partial (no key of the row in the chunk) changes nothing; into an
@@ -139,17 +164,23 @@ typedef struct {
   running_softmax *st, *pst;
 } scratch;
 
-/* Keys and values [j0, j0 + n) of the item's KV heads as fp32 rows of kt and vt (kvh * D values
- * a key, bf16 widened exactly): read from the cache once per tile, one run a slot. */
+/* Keys and values [j0, j0 + n) of the item's KV heads, read from the cache once per tile, one
+ * run a slot (bf16 widened exactly): the keys transposed into kt (value d of every key of the
+ * tile in row d, a key a lane; lanes past n zero), VW keys at a time in registers; the values
+ * as rows of vt, kvh * D values a key. */
 static void gather_tile(const attention_args* a, const work_item* w, int64_t j0, int n, float* kt, float* vt) {
   const int64_t span = w->kvh * a->D;
-  for (int i = 0; i < n; ++i) {
-    const int64_t at = a->slots[j0 + i] * a->slot_stride + w->kh * a->D;
-    for (int64_t d = 0; d < span; d += VW) {
-      vstore(kt + i * span + d, load_lanes(a->k_cache, at + d, a->bf16));
-      vstore(vt + i * span + d, load_lanes(a->v_cache, at + d, a->bf16));
+  int64_t at[KT];
+  for (int i = 0; i < n; ++i) at[i] = a->slots[j0 + i] * a->slot_stride + w->kh * a->D;
+  for (int64_t d = 0; d < span; d += VW)
+    for (int g = 0; g < KT; g += VW) {
+      vf r[VW];
+      for (int i = 0; i < VW; ++i) r[i] = g + i < n ? load_lanes(a->k_cache, at[g + i] + d, a->bf16) : vzero();
+      vtranspose(r);
+      for (int e = 0; e < VW; ++e) vstore(kt + (d + e) * KT + g, r[e]);
     }
-  }
+  for (int i = 0; i < n; ++i)
+    for (int64_t d = 0; d < span; d += VW) vstore(vt + i * span + d, load_lanes(a->v_cache, at[i] + d, a->bf16));
 }
 
 /* The table entries [lo, hi) that rows [row, row + rows) see, cut to chunk c's (c < 0: all). */
@@ -192,10 +223,11 @@ static void fold_chunk(const attention_args* a, const work_item* w, int64_t c, s
       const int64_t first = a->row_first ? a->row_first[w->row + r] : 0, len = a->row_len[w->row + r];
       const int64_t lo = first > j0 ? first : j0, hi = len < j1 ? len : j1;
       if (hi <= lo) continue;
-      for (int64_t h = 0; h < w->heads; ++h) {
-        const int64_t k = r * w->heads + h, at = (lo - j0) * span + h / a->group * D;
-        fold_tile(s->qf + k * D, s->kt + at, s->vt + at, span, (int)(hi - lo), D, a->scale, s->pst + k,
-                  s->pacc + k * D);
+      for (int64_t h = 0, g; h < w->heads; h += g) { /* the pairs of one KV head, up to FOLD_GROUP together */
+        const int64_t left = a->group - h % a->group, k = r * w->heads + h, head = h / a->group * D;
+        g = left < FOLD_GROUP ? left : FOLD_GROUP;
+        FOLDS[g](s->qf + k * D, s->kt + head * KT, s->vt + (lo - j0) * span + head, span, (int)(lo - j0),
+                 (int)(hi - lo), D, a->scale, s->pst + k, s->pacc + k * D);
       }
     }
   }
