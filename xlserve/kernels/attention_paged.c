@@ -103,7 +103,8 @@ static const running_softmax EMPTY = {-INFINITY, 0.0f};
 
 /* A pair's scores s (lanes [first, first + n) its keys) -> its weights p against the new running
  * max, which ``st`` takes with the weights' sum; returns the factor its earlier values take. */
-static float softmax_weights(float* s, float* p, int first, int n, running_softmax* st) {
+static inline __attribute__((always_inline)) float softmax_weights(float* s, float* p, int first, int n,
+                                                                    running_softmax* st) {
   const int partial = first > 0 || n < KT;
   if (partial)
     for (int i = 0; i < KT; ++i)
@@ -111,7 +112,8 @@ static float softmax_weights(float* s, float* p, int first, int n, running_softm
   vf top = vload(s);
   for (int j = VW; j < KT; j += VW) top = vmax(top, vload(s + j));
   const float tile_max = vmax_lanes(top);
-  const float m_new = tile_max > st->m ? tile_max : st->m, rescale = expf(st->m - m_new);
+  /* a max the tile does not raise (most tiles of a long row) rescales by exp(0) = 1 */
+  const float m_new = tile_max > st->m ? tile_max : st->m, rescale = m_new == st->m ? 1.0f : expf(st->m - m_new);
   for (int i = 0; i < KT; i += VW) vstore(p + i, vexp(vsub(vload(s + i), vset1(m_new))));
   if (partial) /* vexp floors its argument: an outside lane would weigh exp(-87), not 0 */
     for (int i = 0; i < KT; ++i)
