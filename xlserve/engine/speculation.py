@@ -117,7 +117,7 @@ class Speculation:
         if self.proposer is None:
             return 0.0, 0
         decoding = [req for req in running if req.num_computed_tokens == req.num_tokens - 1]
-        chains = [chain for chain in map(lambda req: self._chain(req, max_model_len, continuation), decoding)
+        chains = [chain for chain in (self._chain(req, max_model_len, continuation) for req in decoding)
                   if chain.room > 0]
         started = time.monotonic()
         looked_up = self.proposer.guesses_ahead
