@@ -5,8 +5,8 @@
  * A row's keys fall into chunks of CHUNK positions. Within a chunk they are visited in tiles of
  * KT with an online softmax (running max and sum, rescaled per tile), the tile's keys transposed
  * so that each score is one lane's dot product along D and the weights are summed as lanes, in a
- * fixed order; each chunk's partial softmax is then merged into the row's result in chunk order. Nothing depends on which other rows are in the step, whether the
- * earlier keys were computed in this step or cached, how the prompt was chunked, which thread
+ * fixed order; each chunk's partial softmax is then merged into the row's result in chunk order.
+ * Nothing depends on which other rows are in the step, whether the earlier keys were computed in this step or cached, how the prompt was chunked, which thread
  * computed a chunk, or whether one item folded every chunk or each chunk was an item of its
  * own: a prompt token and the same token decoded later, alone or in a batch, get the same bits.
  * (torch's fused attention splits and merges differently for each of those cases.)
@@ -118,6 +118,11 @@ static inline __attribute__((always_inline)) float softmax_weights(float* s, flo
   if (partial) /* vexp floors its argument: an outside lane would weigh exp(-87), not 0 */
     for (int i = 0; i < KT; ++i)
       if (i < first || i >= first + n) p[i] = 0.0f;
+  /* A row's keys may sit at other lanes in another item (a tile starts at the item's first key):
+   * the same keys shifted, the other lanes 0, which is a rotation of the KT lanes. The sum is
+   * halving pairs (lane i with i + KT/2, then i + KT/4, ...), whose pairs a rotation maps onto
+   * pairs (a + b or b + a, the same bits): the same sum wherever the keys sit (tested with
+   * sliding windows, alone against batched). */
   vf weights = vload(p);
   for (int j = VW; j < KT; j += VW) weights = vadd(weights, vload(p + j));
   st->l = st->l * rescale + vsum(weights);
@@ -125,9 +130,7 @@ static inline __attribute__((always_inline)) float softmax_weights(float* s, flo
   return rescale;
 }
 
-#ifndef FOLD_GROUP
 #define FOLD_GROUP 4 /* pairs folded together at most */
-#endif
 FOLD_TILES(1) FOLD_TILES(2) FOLD_TILES(3) FOLD_TILES(4)
 typedef void (*fold_fn)(const float*, const float*, const float*, int64_t, int, int, int64_t, float, running_softmax*,
                         float*);
