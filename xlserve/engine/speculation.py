@@ -120,11 +120,10 @@ class Speculation:
         chains = [chain for chain in (self._chain(req, max_model_len, continuation) for req in decoding)
                   if chain.room > 0]
         started = time.monotonic()
-        looked_up = self.proposer.guesses_ahead
-        if looked_up:
+        if self.proposer.guesses_ahead:
             self._look_up(chains)
         seconds = time.monotonic() - started
-        lengths, rooms = self._entries(chains, looked_up)
+        lengths, rooms = self._entries(chains)
         planned = plan_lengths(lengths, rooms, len(decoding), len(decoding), self.step_costs)
         more_seconds, depth = self._fill(chains, planned, continuation)
         return seconds + more_seconds, depth
@@ -150,10 +149,10 @@ class Speculation:
             chain.guesses, chain.evidence = self.proposer.propose_scored(
                 chain.req.request_id, chain.req.all_token_ids + chain.forced, k)
 
-    def _entries(self, chains: list[ProposalChain], looked_up: bool) -> tuple[list[DraftLength], list[int]]:
+    def _entries(self, chains: list[ProposalChain]) -> tuple[list[DraftLength], list[int]]:
         """The plan's entries: each chain's forced run (rate 1) and its guesses (at the rate
         of their evidence, or else of the request), with how many each may take."""
-        lengths, rooms = [], []
+        lengths, rooms, looked_up = [], [], self.proposer.guesses_ahead
         for chain in chains:
             if chain.forced:  # they land for sure: guesses of rate 1, planned like the others
                 chain.forced_entry = len(lengths)

@@ -33,6 +33,7 @@
 #include <string.h>
 
 #include "quant_blocks.h"
+#include "scratch.h"
 
 /* Row ``n`` of an interleaved weight with ``blocks`` blocks a row, back in GGUF's layout. */
 void x16_row(int base, const uint8_t* w, int64_t blocks, int64_t n, uint8_t* row) {
@@ -186,8 +187,7 @@ static inline __attribute__((always_inline)) void linear_of(int base, const uint
 void xl_linear_x16(int base, const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K,
                    int64_t ldo, int threads) {
   const int64_t blocks = K / 32;
-  const size_t bytes = (sizeof(act_block) * (size_t)(M * blocks) + 63) & ~(size_t)63; /* aligned_alloc: a multiple */
-  act_block* a = (act_block*)aligned_alloc(64, bytes);
+  act_block* a = (act_block*)xl_scratch(sizeof(act_block) * (size_t)(M * blocks));
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)

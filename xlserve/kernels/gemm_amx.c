@@ -29,6 +29,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "scratch.h"
 #include "vec_math.h"
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -250,7 +251,7 @@ void xl_linear_amx_f32(const uint16_t* x, const uint16_t* w, float* out, int64_t
  * CPU's, not those of another kernel. */
 void xl_linear_amx_dense(const float* x, const uint16_t* w, float* out, int64_t M, int64_t N, int64_t K,
                          int64_t ldo, int threads) {
-  uint16_t* xh = aligned_alloc(64, ((size_t)M * K * 2 + 63) / 64 * 64);
+  uint16_t* xh = xl_scratch((size_t)M * K * 2);
   for (int64_t i = 0; i < M * K; i += 16) /* K % 32 == 0 */
     _mm256_storeu_si256((__m256i*)(xh + i), round_bf16(_mm512_loadu_ps(x + i)));
   multiply(xh, w, NULL, NULL, NULL, out, M, N, K, ldo, threads);
