@@ -68,7 +68,8 @@ def test_8_bit_kernel_is_bit_identical_to_ggml(ggml_cpu, isa, interleaved, qtype
         x = torch.randn(rows, k) * torch.logspace(-3, 2, k)  # blocks of very different scales
         ours = torch.empty(rows, 32)
         if interleaved:
-            quant_ops.linear(lib, INTERLEAVABLE[qtype], x, gguf_blocks.interleave16(qtype, data), ours, 0)
+            packed = gguf_blocks.interleave16(qtype, data)
+            quant_ops.linear(lib, INTERLEAVABLE[qtype], x, packed, ours, 0, eight_bit=True)
         else:
             quant_ops.linear(lib, qtype, x, data, ours, 0, eight_bit=True)
         theirs = ggml_matmul(ggml_cpu, qtype, data, x)

@@ -1,7 +1,8 @@
 """The kernels built per instruction set (``gemm_quant.c``, ``dot_q8.c``, ``dot_q8_x16.c``,
-``attention_paged.c``, ``decode_step.c``) on first use and called through ctypes (which releases the GIL).
+``gemm_amx_q4.c``, ``attention_paged.c``, ``decode_step.c``) on first use and called through
+ctypes (which releases the GIL).
 
-Three builds of the same sources: AVX-512 with VNNI or without it where the CPU has them,
+Four builds of the same sources: AMX, AVX-512 with VNNI or without it where the CPU has them,
 AVX2 + FMA + F16C elsewhere (every x86-64 CPU since 2013), so AMD and Intel CPUs alike run
 them. Tests build each one the CPU allows and hold it to the reference. Without a compiler, on another architecture
 or with the kernels switched off (``XLSERVE_EAGER=1``), callers compute with torch.
@@ -20,15 +21,17 @@ import torch
 from xlserve.kernels import cpu_ops
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(n) for n in ("gemm_quant.c", "dot_q8.c", "dot_q8_x16.c", "attention_paged.c",
-                                                  "decode_step.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("gemm_quant.c", "dot_q8.c", "dot_q8_x16.c", "gemm_amx_q4.c",
+                                                  "attention_paged.c", "decode_step.c")]
 COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]  # exact dequantization: no fused mul-add
 
 
 class ISA(enum.Enum):
     """An instruction set the kernels are built for, best first. AVX512_VNNI (Intel Ice Lake and
     later, AMD Zen 4 and later) adds the 8-bit activations' vpdpbusd path (``dot_q8.c``);
-    AVX512 alone is Skylake-X's."""
+    AVX512 alone is Skylake-X's. AMX (Intel Sapphire Rapids and later) adds the tile kernel
+    of Q4_0 / Q4_1 weights against bfloat16 activations (``gemm_amx_q4.c``)."""
+    AMX = "amx"
     AVX512_VNNI = "avx512-vnni"
     AVX512 = "avx512"
     AVX2 = "avx2"
@@ -42,9 +45,13 @@ class ISA(enum.Enum):
         return CFLAGS[self]
 
 
-CPU_FLAGS = {ISA.AVX512_VNNI: {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c"},
+CPU_FLAGS = {ISA.AMX: {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "avx512_bf16", "avx512vbmi",
+                       "amx_tile", "amx_bf16"},
+             ISA.AVX512_VNNI: {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c"},
              ISA.AVX512: {"avx512f", "f16c"}, ISA.AVX2: {"avx2", "fma", "f16c"}}
-CFLAGS = {ISA.AVX512_VNNI: ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma"],
+CFLAGS = {ISA.AMX: ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-mavx512bf16",
+                    "-mavx512vbmi", "-mamx-tile", "-mamx-bf16"],
+          ISA.AVX512_VNNI: ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma"],
           ISA.AVX512: ["-mavx512f", "-mf16c", "-mfma"], ISA.AVX2: ["-mavx2", "-mfma", "-mf16c"]}
 
 
@@ -60,6 +67,7 @@ SIGNATURES = {
     "xl_decode_step": ([P, I64, I64, I64, P, F32, I64, I64, I64, I64, P, P, P, P, I64, P, F32, I32, I32], None),
     "xl_decode_step_layer_fields": ([], I64),
     "xl_x16_ready": ([], I32),
+    "xl_amx_q4_ready": ([], I32),
 }
 
 

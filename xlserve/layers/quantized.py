@@ -198,7 +198,7 @@ def dense_float32(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
     return weight.detach().float()
 
 
-def set_activation_bits(model: torch.nn.Module, eight_bit: bool) -> None:
+def set_activation_bits(model: torch.nn.Module, eight_bit: bool, dtype: torch.dtype = torch.float32) -> None:
     """Every kept weight of the model in Q4_0, Q4_1 or Q8_0 multiplies 8-bit activations (as
     llama.cpp does: about twice the matmul speed on a CPU, results within bf16's error of the
     dequantized weights'), or fp32 ones (the dequantized weights' results). CPU kernel only:
@@ -206,31 +206,43 @@ def set_activation_bits(model: torch.nn.Module, eight_bit: bool) -> None:
 
     With 8-bit activations on a CPU with AVX512-VNNI, the layers' weights (not the experts',
     which are views of one stacked tensor) are interleaved 16 rows at a time for the kernel
-    that multiplies 16 rows at once (``dot_q8_x16.c``), as llama.cpp repacks them."""
+    that multiplies 16 rows at once (``dot_q8_x16.c``), as llama.cpp repacks them. Without, a
+    model that computes in bfloat16 on a CPU with AMX interleaves its Q4_0 and Q4_1 weights so
+    for the tile kernel (``gemm_amx_q4.c``), whose activations are the model's bfloat16 values."""
     lib = portable_library.kernels()
     for weight in kept_weights(model):
         weight.eight_bit_activations = eight_bit
-    if eight_bit and lib is not None and lib.xl_x16_ready():
-        interleave16(layer_weights(model))
+    if lib is None:
+        return
+    if eight_bit and lib.xl_x16_ready():
+        interleave16(layer_weights(model), gguf_blocks.INTERLEAVABLE)
+    elif not eight_bit and dtype == torch.bfloat16 and lib.xl_amx_q4_ready():
+        interleave16(layer_weights(model), AMX_INTERLEAVABLE, k_multiple=64)
 
 
-def interleave16(weights: list[QuantizedWeight]) -> None:
-    """Their Q4_0 / Q4_1 / Q8_0 parts of whole 16-row groups, on the CPU, in the interleaved
-    layout of the 8-bit VNNI kernel (``gguf_blocks.interleave16``): the same bytes. Data that
+# the formats the AMX kernel takes, and their interleaved types (K a multiple of 64: blocks in pairs)
+AMX_INTERLEAVABLE = {t: x for t, x in gguf_blocks.INTERLEAVABLE.items() if t is not gguf_blocks.BlockType.Q8_0}
+
+
+def interleave16(weights: list[QuantizedWeight], types: dict, k_multiple: int = 32) -> None:
+    """Their parts of ``types`` (a format: its interleaved type) of whole 16-row groups and a
+    width of ``k_multiple``, on the CPU, in the interleaved layout of the 8-bit VNNI and the
+    AMX kernels (``gguf_blocks.interleave16``): the same bytes. Data that
     several weights hold (a tied embedding and head) is interleaved once and stays shared;
     each part's old bytes are freed as soon as no weight holds them, so loading peaks at one
     part's bytes above the weights'."""
     holders: dict[tuple[int, torch.Size], list[tuple[QuantizedWeight, int]]] = {}
     for weight in {id(w): w for w in weights}.values():
         for i, p in enumerate(weight.parts):
-            if p.qtype in gguf_blocks.INTERLEAVABLE and p.rows % 16 == 0 and p.data.device.type == "cpu":
+            if (p.qtype in types and p.rows % 16 == 0 and weight.shape[1] % k_multiple == 0
+                    and p.data.device.type == "cpu"):
                 holders.setdefault((p.data.data_ptr(), p.data.shape), []).append((weight, i))
     for users in holders.values():
         first = users[0][0].parts[users[0][1]]
         packed = gguf_blocks.interleave16(first.qtype, first.data)
         for weight, i in users:
             part = weight.parts[i]
-            weight.parts[i] = Part(part.start, gguf_blocks.INTERLEAVABLE[part.qtype], packed)
+            weight.parts[i] = Part(part.start, types[part.qtype], packed)
             weight._kernel_calls = []
 
 

@@ -100,7 +100,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     started = time.perf_counter()
     model.load_weights(bar)
     model.tie_weights()  # again: a head tied to an embedding kept quantized shares its blocks
-    set_activation_bits(model, config.int8_activations)
+    set_activation_bits(model, config.int8_activations, dtype)
     if config.deterministic:
         counts = invariant_linear.mark(model, dtype)
         log.info("deterministic: dense weights on the batch-invariant kernels: %s",
