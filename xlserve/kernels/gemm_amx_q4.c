@@ -17,10 +17,13 @@
  * minimum of 3 interleaved in one process, tiles against the fp32 kernel: 1 row 3.15 / 3.10 ms
  * (the tile unit, which the two vCPUs share, takes one product a block whatever the rows),
  * 2 rows 3.33 / 3.78, 4 rows 3.52 / 4.77, 8 rows 4.22 / 7.98, 16 rows 5.32 / 13.3, 32 rows
- * 9.68 / 22.0, 128 rows 37.9 / 76.5, 512 rows 177 / 295. (The group's B tiles made once for
- * every tile of rows, and the rows' sums in registers: 17-128 rows 8-23% slower, 512 rows 15%
- * faster.) vdpbf16ps in place of the tiles was 2.14 against 2.80 ms at 1 row but 148 against
- * 72 at 128: on this Xeon it retires one every two cycles, no more products than FMAs.
+ * 9.68 / 22.0, 128 rows 37.9 / 76.5, 512 rows 177 / 295. Tried and slower: the group's B
+ * tiles made once for every tile of rows, the rows' sums in registers (17-128 rows 8-23%
+ * slower, 512 rows 15% faster); each block pair's tiles made and loaded once for every tile
+ * of rows, the products kept and scaled per row after (17 rows 10.5 against 7.6 ms); each
+ * block's product issued before the previous one is stored and scaled (1 row 3.21 against
+ * 3.05, 16 rows 5.69 against 5.22). vdpbf16ps in place of the tiles was 2.14 against 2.80 ms
+ * at 1 row but 148 against 72 at 128: on this Xeon it retires one every two cycles.
  *
  * Batch invariance: a row's sums in a tile product depend on its own pairs and the block alone,
  * not on the tile's other rows or how many it has (tested alone against batched); the fp32
