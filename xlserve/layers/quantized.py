@@ -207,8 +207,9 @@ def set_activation_bits(model: torch.nn.Module, eight_bit: bool, dtype: torch.dt
     With 8-bit activations on a CPU with AVX512-VNNI, the layers' weights (not the experts',
     which are views of one stacked tensor) are interleaved 16 rows at a time for the kernel
     that multiplies 16 rows at once (``dot_q8_x16.c``), as llama.cpp repacks them. Without, a
-    model that computes in bfloat16 on a CPU with AMX interleaves its Q4_0 and Q4_1 weights so
-    for the tile kernel (``gemm_amx_q4.c``), whose activations are the model's bfloat16 values."""
+    model that computes in bfloat16 on a CPU with AMX interleaves its Q4_0 and Q4_1 weights the
+    same way for the tile kernel (``gemm_amx_q4.c``), whose activations are the model's
+    bfloat16 values."""
     lib = portable_library.kernels()
     for weight in kept_weights(model):
         weight.eight_bit_activations = eight_bit
@@ -217,20 +218,21 @@ def set_activation_bits(model: torch.nn.Module, eight_bit: bool, dtype: torch.dt
     if eight_bit and lib.xl_x16_ready():
         interleave16(layer_weights(model), gguf_blocks.INTERLEAVABLE)
     elif not eight_bit and dtype == torch.bfloat16 and lib.xl_amx_q4_ready():
-        interleave16(layer_weights(model), AMX_INTERLEAVABLE, k_multiple=64)
+        parts = interleave16(layer_weights(model), AMX_INTERLEAVABLE, k_multiple=64)
+        log.info("%d Q4_0 / Q4_1 weight parts on the AMX tile kernel (bfloat16 activations)", parts)
 
 
 # the formats the AMX kernel takes, and their interleaved types (K a multiple of 64: blocks in pairs)
 AMX_INTERLEAVABLE = {t: x for t, x in gguf_blocks.INTERLEAVABLE.items() if t is not gguf_blocks.BlockType.Q8_0}
 
 
-def interleave16(weights: list[QuantizedWeight], types: dict, k_multiple: int = 32) -> None:
+def interleave16(weights: list[QuantizedWeight], types: dict, k_multiple: int = 32) -> int:
     """Their parts of ``types`` (a format: its interleaved type) of whole 16-row groups and a
     width of ``k_multiple``, on the CPU, in the interleaved layout of the 8-bit VNNI and the
     AMX kernels (``gguf_blocks.interleave16``): the same bytes. Data that
     several weights hold (a tied embedding and head) is interleaved once and stays shared;
     each part's old bytes are freed as soon as no weight holds them, so loading peaks at one
-    part's bytes above the weights'."""
+    part's bytes above the weights'. Returns how many parts it interleaved."""
     holders: dict[tuple[int, torch.Size], list[tuple[QuantizedWeight, int]]] = {}
     for weight in {id(w): w for w in weights}.values():
         for i, p in enumerate(weight.parts):
@@ -244,6 +246,7 @@ def interleave16(weights: list[QuantizedWeight], types: dict, k_multiple: int = 
             part = weight.parts[i]
             weight.parts[i] = Part(part.start, types[part.qtype], packed)
             weight._kernel_calls = []
+    return sum(len(users) for users in holders.values())
 
 
 def layer_weights(model: torch.nn.Module) -> list[QuantizedWeight]:
