@@ -17,13 +17,14 @@
  * minimum of 3 interleaved in one process, tiles against the fp32 kernel: 1 row 3.15 / 3.10 ms
  * (the tile unit, which the two vCPUs share, takes one product a block whatever the rows),
  * 2 rows 3.33 / 3.78, 4 rows 3.52 / 4.77, 8 rows 4.22 / 7.98, 16 rows 5.32 / 13.3, 32 rows
- * 9.68 / 22.0, 128 rows 37.9 / 76.5, 512 rows 177 / 295. Tried and slower: the group's B
- * tiles made once for every tile of rows, the rows' sums in registers (17-128 rows 8-23%
- * slower, 512 rows 15% faster); each block pair's tiles made and loaded once for every tile
- * of rows, the products kept and scaled per row after (17 rows 10.5 against 7.6 ms); each
- * block's product issued before the previous one is stored and scaled (1 row 3.21 against
- * 3.05, 16 rows 5.69 against 5.22). vdpbf16ps in place of the tiles was 2.14 against 2.80 ms
- * at 1 row but 148 against 72 at 128: on this Xeon it retires one every two cycles.
+ * 9.68 / 22.0, 128 rows 37.9 / 76.5, 512 rows 177 / 295 in one pass (137 / 291 in passes of
+ * PASS_ROWS). Tried and slower: the group's B tiles made once for every tile of rows, the
+ * rows' sums in registers (17-128 rows 8-23% slower, 512 rows 15% faster, in one pass); each
+ * block pair's tiles made and loaded once for every tile of rows, the products kept and
+ * scaled per row after (17 rows 10.5 against 7.6 ms); each block's product issued before the
+ * previous one is stored and scaled (1 row 3.21 against 3.05, 16 rows 5.69 against 5.22).
+ * vdpbf16ps in place of the tiles was 2.14 against 2.80 ms at 1 row but 148 against 72 at
+ * 128: on this Xeon it retires one every two cycles.
  *
  * Batch invariance: a row's sums in a tile product depend on its own pairs and the block alone,
  * not on the tile's other rows or how many it has (tested alone against batched); the fp32
@@ -62,6 +63,12 @@ typedef struct {
 #define TILE_B1 3
 #define TILE_C0 4
 #define TILE_C1 5
+
+/* Activation rows a pass over the weights takes (past 16 rows): their pairs, 64 x 64 bytes a
+ * block (192 KiB at K 1,536), stay in L2 while every group reads them. 30 layers of the default
+ * model's Q4_1 shapes, one pass against passes of 64 / 128 / 256 rows: 512 rows 159 against
+ * 137 / 148 / 144 ms, 1,024 rows 364 against 282 / 310 / 295; 17-256 rows within 6%. */
+#define PASS_ROWS 64
 
 /* A and C tiles of ``rows`` activation rows, B tiles of 16 pairs; every row 64 bytes. */
 static void configure(int rows) {
@@ -208,12 +215,17 @@ void xl_linear_amx_q4(int base, const float* x, const uint8_t* w, float* out, in
     for (int64_t m = 0; m < M; ++m) pair_row(x + m * K, blocks, a + m * blocks * 16, s + m * blocks);
     uint32_t* bt = (uint32_t*)xl_scratch(2048);
     float* cb = (float*)xl_scratch(2048);
-    float* sums = M > 16 ? (float*)xl_scratch(sizeof(float) * 32 * (size_t)M) : NULL;
+    float* sums = M > 16 ? (float*)xl_scratch(sizeof(float) * 32 * PASS_ROWS) : NULL;
     configure(M > 16 ? 16 : (int)M);
+    for (int64_t m0 = 0; m0 < M; m0 += PASS_ROWS) { /* a pass's activation pairs stay in L2 */
+      const int64_t rows = M - m0 < PASS_ROWS ? M - m0 : PASS_ROWS;
 #pragma omp for schedule(static)
-    for (int64_t gi = 0; gi < groups; ++gi) {
-      if (M > 16) group_tiles(base, w + gi * group_bytes, a, s, M, blocks, out + 16 * gi, ldo, bt, cb, sums);
-      else group_rows(base, w + gi * group_bytes, a, s, (int)M, blocks, out + 16 * gi, ldo, bt, cb);
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        const uint8_t* g = w + gi * group_bytes;
+        if (M > 16) group_tiles(base, g, a + m0 * blocks * 16, s + m0 * blocks, rows, blocks, out + m0 * ldo + 16 * gi,
+                                ldo, bt, cb, sums);
+        else group_rows(base, g, a, s, (int)M, blocks, out + 16 * gi, ldo, bt, cb);
+      }
     }
     _tile_release();
     free(bt);
