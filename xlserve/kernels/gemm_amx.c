@@ -23,43 +23,20 @@
 #include <stdint.h>
 
 #ifdef XL_HAVE_AMX
-#include <immintrin.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "amx_tiles.h"
 #include "scratch.h"
 #include "vec_math.h"
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-} tile_config;
-
 /* 1 when the process may use AMX tiles (asks the kernel on first call). */
-int xl_amx_ready(void) {
-  static int state = -1;
-  if (state < 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  return state;
-}
+int xl_amx_ready(void) { return amx_permitted(); }
 
 /* Every tile register is 16 rows x 64 bytes: C (16 x 16 fp32), A (16 x 32 bf16), B (16 x 16 pairs). */
 static void configure_tiles(void) {
-  tile_config cfg;
-  memset(&cfg, 0, sizeof cfg);
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
+  static const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+  load_tiles(8, rows);
 }
 
 /* The 16 x 16 matrix of 32-bit values at ``in`` (rows ``stride`` values apart) transposed into

@@ -40,21 +40,10 @@
 #include "scratch.h"
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 
 /* 1 when the process may use AMX tiles (asks the kernel on first call). */
-int xl_amx_q4_ready(void) {
-  static int state = -1;
-  if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return state;
-}
-
-typedef struct {
-  uint8_t palette_id, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-} tile_config;
+int xl_amx_q4_ready(void) { return amx_permitted(); }
 
 /* tile registers (literal numbers: the intrinsics paste them into the instruction) */
 #define TILE_A0 0
@@ -72,14 +61,9 @@ typedef struct {
 
 /* A and C tiles of ``rows`` activation rows, B tiles of 16 pairs; every row 64 bytes. */
 static void configure(int rows) {
-  tile_config cfg;
-  memset(&cfg, 0, sizeof cfg);
-  cfg.palette_id = 1;
-  for (int t = TILE_A0; t <= TILE_C1; ++t) {
-    cfg.rows[t] = (uint8_t)(t == TILE_B0 || t == TILE_B1 ? 16 : rows);
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
+  const uint8_t r = (uint8_t)rows, per_tile[6] = {[TILE_A0] = r, [TILE_A1] = r, [TILE_B0] = 16, [TILE_B1] = 16,
+                                                  [TILE_C0] = r, [TILE_C1] = r};
+  load_tiles(6, per_tile);
 }
 
 /* word i of a block's pairs is value PAIRED[i]: pair 4j + t holds values 8j + t and 8j + 4 + t,
