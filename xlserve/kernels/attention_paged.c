@@ -6,9 +6,10 @@
  * KT with an online softmax (running max and sum, rescaled per tile), the tile's keys transposed
  * so that each score is one lane's dot product along D and the weights are summed as lanes, in a
  * fixed order; each chunk's partial softmax is then merged into the row's result in chunk order.
- * Nothing depends on which other rows are in the step, whether the earlier keys were computed in this step or cached, how the prompt was chunked, which thread
- * computed a chunk, or whether one item folded every chunk or each chunk was an item of its
- * own: a prompt token and the same token decoded later, alone or in a batch, get the same bits.
+ * Nothing depends on which other rows are in the step, whether the earlier keys were computed
+ * in this step or cached, how the prompt was chunked, which thread computed a chunk, or
+ * whether one item folded every chunk or each chunk was an item of its own: a prompt token and
+ * the same token decoded later, alone or in a batch, get the same bits.
  * (torch's fused attention splits and merges differently for each of those cases.)
  *
  * A work item is up to ROWS consecutive rows of one sequence times the query heads of a run of

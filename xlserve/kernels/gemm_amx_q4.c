@@ -99,9 +99,10 @@ static inline void block_tile(const uint8_t* g, uint32_t* tile) {
   const __m512i one = _mm512_set1_epi32(0x3F803F80), nibble = _mm512_set1_epi32(0x00780078);
   for (int j = 0; j < 4; ++j) {
     const __m512i v = _mm512_loadu_si512(g + 64 * j);
-    for (int t = 0; t < 4; ++t) /* 0xEC: (selected & nibble) | one */
-      _mm512_store_si512(tile + 16 * (4 * j + t),
-                         _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(pair_control(t), v), one, nibble, 0xEC));
+    for (int t = 0; t < 4; ++t) { /* 0xEC: (selected & nibble) | one */
+      const __m512i selected = _mm512_multishift_epi64_epi8(pair_control(t), v);
+      _mm512_store_si512(tile + 16 * (4 * j + t), _mm512_ternarylogic_epi32(selected, one, nibble, 0xEC));
+    }
   }
 }
 
