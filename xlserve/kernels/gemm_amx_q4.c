@@ -25,12 +25,17 @@
  * previous one is stored and scaled (1 row 3.21 against 3.05, 16 rows 5.69 against 5.22).
  * vdpbf16ps in place of the tiles was 2.14 against 2.80 ms at 1 row but 148 against 72 at
  * 128: on this Xeon it retires one every two cycles.
+ * The one-row twin and one accumulator a row (below), against the kernel before them, same
+ * process, minimum of 9 interleaved, another day: 1 row 3.25 / 3.76 ms, 8 rows 5.28 / 5.77,
+ * 32 rows 10.7 / 13.0, 512 rows 157 / 188.
  *
  * Batch invariance: a row's sums in a tile product depend on its own pairs and the block alone,
  * not on the tile's other rows or how many it has (tested alone against batched); the fp32
- * scaling runs in block order per row. What the tile unit computes inside the product is its
- * own (docs/quantization.md), so CPUs without AMX compute other bits (gemm_quant.c), as they
- * do for dense bfloat16 weights.
+ * scaling runs in block order per row, one accumulator: acc = fma(16 d, sums, acc), then
+ * fma(m - 16 d, sum(x), acc) (two accumulators added at the end took 9-21% longer from 8
+ * rows, 4 rows level: twice the registers, or the loads and stores, per row). One row takes
+ * group_one_row, the tile product's arithmetic in vector FMAs: the same bits. CPUs without
+ * AMX compute other bits (gemm_quant.c), as they do for dense bfloat16 weights.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -129,37 +134,42 @@ static inline void block_pair(const uint32_t* a, int64_t blocks, int64_t b, cons
   _tile_stored(TILE_C1, cb + 256, 64);
 }
 
+/* Row i's sum: block after block, acc = fma(16 d, its tile sums, acc) then fma(m - 16 d, its sum
+ * of x, acc); the same operations in the same order for every row count. */
+static inline __m512 scale_sums(__m512 acc, __m512 d16, __m512 c, __m512 sums, float s) {
+  return _mm512_fmadd_ps(c, _mm512_set1_ps(s), _mm512_fmadd_ps(d16, sums, acc));
+}
+
 /* One group of 16 weight rows (``blocks`` even) against ``rows`` <= 16 activation rows: their
  * 16 outputs each at out + i * ldo. Sums per row in registers. */
 static void group_rows(int base, const uint8_t* g, const uint32_t* a, const float* s, int rows, int64_t blocks,
                        float* out, int64_t ldo, uint32_t* bt, float* cb) {
   const int gb = 16 * block_bytes(base);
-  __m512 acc[16], mins[16];
-  for (int i = 0; i < rows; ++i) acc[i] = mins[i] = _mm512_setzero_ps();
+  __m512 acc[16];
+  for (int i = 0; i < rows; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; b += 2) {
     const uint8_t* p = g + b * gb;
     for (int o = 0; o < 2 * gb; o += 64) prefetch_ahead(p + o);
     block_tile(p, bt);
     block_tile(p + gb, bt + 256);
     block_pair(a, blocks, b, bt, cb);
-    for (int h = 0; h < 2; ++h) {
-      __m512 d16, c;
-      block_scales(base, p + h * gb, &d16, &c);
-      for (int i = 0; i < rows; ++i) {
-        acc[i] = _mm512_fmadd_ps(d16, _mm512_load_ps(cb + 256 * h + 16 * i), acc[i]);
-        mins[i] = _mm512_fmadd_ps(c, _mm512_set1_ps(s[i * blocks + b + h]), mins[i]);
-      }
+    __m512 d16[2], c[2];
+    block_scales(base, p, &d16[0], &c[0]);
+    block_scales(base, p + gb, &d16[1], &c[1]);
+    for (int i = 0; i < rows; ++i) {
+      acc[i] = scale_sums(acc[i], d16[0], c[0], _mm512_load_ps(cb + 16 * i), s[i * blocks + b]);
+      acc[i] = scale_sums(acc[i], d16[1], c[1], _mm512_load_ps(cb + 256 + 16 * i), s[i * blocks + b + 1]);
     }
   }
-  for (int i = 0; i < rows; ++i) _mm512_storeu_ps(out + i * ldo, _mm512_add_ps(acc[i], mins[i]));
+  for (int i = 0; i < rows; ++i) _mm512_storeu_ps(out + i * ldo, acc[i]);
 }
 
 /* The same for M > 16 rows (padded to whole tiles of 16): each block's B tiles made once for
- * every tile of rows, the sums in ``sums`` ([M, 2, 16]), the same operations per row. */
+ * every tile of rows, the sums in ``sums`` ([M, 16]), the same operations per row. */
 static void group_tiles(int base, const uint8_t* g, const uint32_t* a, const float* s, int64_t M, int64_t blocks,
                         float* out, int64_t ldo, uint32_t* bt, float* cb, float* sums) {
   const int gb = 16 * block_bytes(base);
-  memset(sums, 0, sizeof(float) * 32 * (size_t)M);
+  memset(sums, 0, sizeof(float) * 16 * (size_t)M);
   for (int64_t b = 0; b < blocks; b += 2) {
     const uint8_t* p = g + b * gb;
     for (int o = 0; o < 2 * gb; o += 64) prefetch_ahead(p + o);
@@ -170,18 +180,74 @@ static void group_tiles(int base, const uint8_t* g, const uint32_t* a, const flo
     block_scales(base, p + gb, &d16[1], &c[1]);
     for (int64_t m0 = 0; m0 < M; m0 += 16) {
       block_pair(a + m0 * blocks * 16, blocks, b, bt, cb);
-      for (int64_t i = m0; i < M && i < m0 + 16; ++i)
-        for (int h = 0; h < 2; ++h) {
-          float* acc = sums + 32 * i;
-          _mm512_store_ps(acc, _mm512_fmadd_ps(d16[h], _mm512_load_ps(cb + 256 * h + 16 * (i - m0)),
-                                               _mm512_load_ps(acc)));
-          _mm512_store_ps(acc + 16, _mm512_fmadd_ps(c[h], _mm512_set1_ps(s[i * blocks + b + h]),
-                                                    _mm512_load_ps(acc + 16)));
-        }
+      for (int64_t i = m0; i < M && i < m0 + 16; ++i) {
+        const float* ci = cb + 16 * (i - m0);
+        __m512 acc = scale_sums(_mm512_load_ps(sums + 16 * i), d16[0], c[0], _mm512_load_ps(ci), s[i * blocks + b]);
+        _mm512_store_ps(sums + 16 * i, scale_sums(acc, d16[1], c[1], _mm512_load_ps(ci + 256), s[i * blocks + b + 1]));
+      }
     }
   }
-  for (int64_t i = 0; i < M; ++i)
-    _mm512_storeu_ps(out + i * ldo, _mm512_add_ps(_mm512_load_ps(sums + 32 * i), _mm512_load_ps(sums + 32 * i + 16)));
+  for (int64_t i = 0; i < M; ++i) _mm512_storeu_ps(out + i * ldo, _mm512_load_ps(sums + 16 * i));
+}
+
+/* One row against a group without the tiles, the same bits as group_rows: a tile product sums a
+ * row's first products of each pair in pair order and its second products the same way, each
+ * rounded to fp32 at every step, then adds the two (measured bit for bit against tdpbf16ps, and
+ * tested: alone against batched). Every product is exact, so one FMA a product in that order
+ * is what the tile computes. x_first / x_second: the row's pairs' values as fp32.
+ * Why: at one row the tile unit's fixed cost per product dominates. 30 layers of the default
+ * model's Q4_1 shapes, same process, interleaved: 3.34 against 4.16 ms for the tiles (at 2
+ * rows 4.24 against 4.26, so the tiles take every other row count). */
+static void group_one_row(int base, const uint8_t* g, const float* x_first, const float* x_second,
+                          const float* s, int64_t blocks, float* out) {
+  const int gb = 16 * block_bytes(base);
+  const __m512i one = _mm512_set1_epi32(0x3F800000), nibble = _mm512_set1_epi32(0x00780000);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* p = g + b * gb;
+    for (int o = 0; o < gb; o += 64) prefetch_ahead(p + o);
+    __m512 first = _mm512_setzero_ps(), second = _mm512_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_loadu_si512(p + 64 * j);
+      for (int t = 0; t < 4; ++t) { /* the pair's words as fp32 1 + q / 16: nibble to bits 19-22 */
+        const __m512i selected = _mm512_multishift_epi64_epi8(pair_control(t), v);
+        const __m512i w_first = _mm512_ternarylogic_epi32(_mm512_slli_epi32(selected, 16), one, nibble, 0xEC);
+        const __m512i w_second = _mm512_ternarylogic_epi32(selected, one, nibble, 0xEC);
+        const int64_t k = 16 * b + 4 * j + t;
+        first = _mm512_fmadd_ps(_mm512_set1_ps(x_first[k]), _mm512_castsi512_ps(w_first), first);
+        second = _mm512_fmadd_ps(_mm512_set1_ps(x_second[k]), _mm512_castsi512_ps(w_second), second);
+      }
+    }
+    __m512 d16, c;
+    block_scales(base, p, &d16, &c);
+    acc = scale_sums(acc, d16, c, _mm512_add_ps(first, second), s[b]);
+  }
+  _mm512_storeu_ps(out, acc);
+}
+
+/* The row's pairs (``pair_row``) split into their first and second values as fp32. */
+static void split_pairs(const uint32_t* pairs, int64_t n, float* first, float* second) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t lo = pairs[i] << 16, hi = pairs[i] & 0xFFFF0000u;
+    memcpy(first + i, &lo, 4);
+    memcpy(second + i, &hi, 4);
+  }
+}
+
+/* xl_linear_amx_q4 for one row. */
+static void linear_one_row(int base, const float* x, const uint8_t* w, float* out, int64_t N, int64_t K,
+                           int threads) {
+  const int64_t blocks = K / 32, group_bytes = blocks * 16 * block_bytes(base);
+  uint32_t* a = (uint32_t*)xl_scratch(sizeof(uint32_t) * 16 * (size_t)blocks);
+  float* s = (float*)xl_scratch(sizeof(float) * (size_t)blocks);
+  float* first = (float*)xl_scratch(sizeof(float) * 16 * (size_t)blocks);
+  float* second = (float*)xl_scratch(sizeof(float) * 16 * (size_t)blocks);
+  pair_row(x, blocks, a, s);
+  split_pairs(a, 16 * blocks, first, second);
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t gi = 0; gi < N / 16; ++gi)
+    group_one_row(base, w + gi * group_bytes, first, second, s, blocks, out + 16 * gi);
+  free(a), free(s), free(first), free(second);
 }
 
 /* x: [M, K] fp32 (rounded to bfloat16 here); w: N / 16 interleaved groups of Q4_0 or Q4_1 (K a
@@ -189,6 +255,7 @@ static void group_tiles(int base, const uint8_t* g, const uint32_t* a, const flo
 void xl_linear_amx_q4(int base, const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K,
                       int64_t ldo, int threads) {
   if (!xl_amx_q4_ready()) abort(); /* never: the layout is chosen for this kernel where it says 1 */
+  if (M == 1) return linear_one_row(base, x, w, out, N, K, threads);
   const int64_t blocks = K / 32, groups = N / 16, padded = (M + 15) / 16 * 16;
   const int64_t group_bytes = blocks * 16 * block_bytes(base);
   uint32_t* a = (uint32_t*)xl_scratch(sizeof(uint32_t) * 16 * (size_t)(padded * blocks));
@@ -200,7 +267,7 @@ void xl_linear_amx_q4(int base, const float* x, const uint8_t* w, float* out, in
     for (int64_t m = 0; m < M; ++m) pair_row(x + m * K, blocks, a + m * blocks * 16, s + m * blocks);
     uint32_t* bt = (uint32_t*)xl_scratch(2048);
     float* cb = (float*)xl_scratch(2048);
-    float* sums = M > 16 ? (float*)xl_scratch(sizeof(float) * 32 * PASS_ROWS) : NULL;
+    float* sums = M > 16 ? (float*)xl_scratch(sizeof(float) * 16 * PASS_ROWS) : NULL;
     configure(M > 16 ? 16 : (int)M);
     for (int64_t m0 = 0; m0 < M; m0 += PASS_ROWS) { /* a pass's activation pairs stay in L2 */
       const int64_t rows = M - m0 < PASS_ROWS ? M - m0 : PASS_ROWS;
