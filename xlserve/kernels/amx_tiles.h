@@ -1,4 +1,4 @@
-/* AMX tile state shared by the tile kernels (gemm_amx.c, gemm_amx_q4.c). Built where the
+/* AMX tile state shared by the tile kernels (gemm_amx.c, gemm_amx_quant.c). Built where the
  * compiler targets AMX (-mamx-tile). */
 #pragma once
 #include <immintrin.h>

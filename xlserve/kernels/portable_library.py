@@ -1,5 +1,5 @@
 """The kernels built per instruction set (``gemm_quant.c``, ``dot_q8.c``, ``dot_q8_x16.c``,
-``gemm_amx_q4.c``, ``attention_paged.c``, ``decode_step.c``) on first use and called through
+``gemm_amx_quant.c``, ``attention_paged.c``, ``decode_step.c``) on first use and called through
 ctypes (which releases the GIL).
 
 Four builds of the same sources: AMX, AVX-512 with VNNI or without it where the CPU has them,
@@ -21,7 +21,7 @@ import torch
 from xlserve.kernels import cpu_ops
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(n) for n in ("gemm_quant.c", "dot_q8.c", "dot_q8_x16.c", "gemm_amx_q4.c",
+SOURCES = [Path(__file__).with_name(n) for n in ("gemm_quant.c", "dot_q8.c", "dot_q8_x16.c", "gemm_amx_quant.c",
                                                   "attention_paged.c", "decode_step.c")]
 COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]  # exact dequantization: no fused mul-add
 
@@ -30,7 +30,7 @@ class ISA(enum.Enum):
     """An instruction set the kernels are built for, best first. AVX512_VNNI (Intel Ice Lake and
     later, AMD Zen 4 and later) adds the 8-bit activations' vpdpbusd path (``dot_q8.c``);
     AVX512 alone is Skylake-X's. AMX (Intel Sapphire Rapids and later) adds the tile kernel
-    of Q4_0 / Q4_1 weights against bfloat16 activations (``gemm_amx_q4.c``)."""
+    of Q4_0 / Q4_1 weights against bfloat16 activations (``gemm_amx_quant.c``)."""
     AMX = "amx"
     AVX512_VNNI = "avx512-vnni"
     AVX512 = "avx512"
@@ -67,7 +67,7 @@ SIGNATURES = {
     "xl_decode_step": ([P, I64, I64, I64, P, F32, I64, I64, I64, I64, P, P, P, P, I64, P, F32, I32, I32], None),
     "xl_decode_step_layer_fields": ([], I64),
     "xl_x16_ready": ([], I32),
-    "xl_amx_q4_ready": ([], I32),
+    "xl_amx_quant_ready": ([], I32),
 }
 
 

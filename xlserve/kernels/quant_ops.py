@@ -30,7 +30,7 @@ def linear(lib: ctypes.CDLL, qtype: int, x: torch.Tensor, data: torch.Tensor, ou
     """``out[:, column:column + N] = x @ dequant(data).T``: x [M, K] float32, data [N, row
     bytes] uint8 of ``qtype``, out [M, ldo] float32, all contiguous; ``eight_bit``: Q4_0,
     Q4_1 and Q8_0 multiply 8-bit activations (``dot_q8.c``). Interleaved types (``X16``) take
-    ``dot_q8_x16.c`` with it and the AMX kernel (``gemm_amx_q4.c``, bfloat16 activations)
+    ``dot_q8_x16.c`` with it and the AMX kernel (``gemm_amx_quant.c``, bfloat16 activations)
     without."""
     m, k = x.shape
     lib.xl_linear_quant(qtype, x.data_ptr(), data.data_ptr(), data.shape[1], out[:, column:].data_ptr(), m,

@@ -1,5 +1,5 @@
-"""Q4_0 and Q4_1 weights against bfloat16 activations on AMX tiles (``gemm_amx_q4.c``): a
-bfloat16 model kept in those formats takes it on CPUs with AMX. Without AMX these skip; the
+"""Q4_0, Q4_1 and Q8_0 weights against bfloat16 activations on AMX tiles (``gemm_amx_quant.c``):
+a bfloat16 model kept in those formats takes it on CPUs with AMX. Without AMX these skip; the
 fp32-activation kernel that runs there instead has its own tests (test_quantized_weights.py)."""
 
 import numpy as np
@@ -11,22 +11,24 @@ from xlserve.kernels import gguf_blocks, portable_library, quant_ops
 from xlserve.kernels.gguf_blocks import INTERLEAVABLE, LAYOUTS, BlockType
 
 LIB = portable_library.kernels()
-pytestmark = pytest.mark.skipif(LIB is None or not LIB.xl_amx_q4_ready(),
-                                reason="no AMX: Q4 weights take the fp32-activation kernel here")
+pytestmark = pytest.mark.skipif(LIB is None or not LIB.xl_amx_quant_ready(),
+                                reason="no AMX: these formats take the fp32-activation kernel here")
 
 
 def scale_sizes(qtype: BlockType, data: torch.Tensor) -> torch.Tensor:
     """Per weight value, 32 |d| + |m| of its block: what the kernel's terms 16 d (1 + q / 16) and
-    m - 16 d can reach, so the bound on its rounding."""
+    m - 16 d can reach, so the bound on its rounding (Q8_0: 128 |d|, its d q)."""
     blocks = data.numpy().reshape(data.shape[0], -1, LAYOUTS[qtype].bytes)
     def half(at: int) -> np.ndarray:
         return np.abs(blocks[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float64))
     d = half(0)
+    if qtype is BlockType.Q8_0:
+        return torch.from_numpy(np.repeat(128 * d, 32, axis=-1))
     m = half(2) if qtype is BlockType.Q4_1 else 8 * d
     return torch.from_numpy(np.repeat(32 * d + m, 32, axis=-1))
 
 
-@pytest.mark.parametrize("qtype", [BlockType.Q4_0, BlockType.Q4_1])
+@pytest.mark.parametrize("qtype", [BlockType.Q4_0, BlockType.Q4_1, BlockType.Q8_0])
 def test_tile_kernel_multiplies_bf16_rows_within_fp32_rounding_and_alone_as_batched(qtype):
     """1 to 70 rows (one tile of rows, several, a last one part-filled): within fp32 rounding of
     the bfloat16 rows' exact product with the dequantized weights; a row the same bits alone,
@@ -57,15 +59,20 @@ def test_tile_kernel_multiplies_bf16_rows_within_fp32_rounding_and_alone_as_batc
     assert torch.equal(one_thread, out[:40, 2:2 + n])
 
 
-def test_a_bf16_model_kept_in_q4_takes_the_tiles_and_is_batch_invariant(mixed_gguf):  # noqa: F811
-    """The mixed file's Q4_0 / Q4_1 parts (its gate and up projections) interleaved for the
-    tiles as a bfloat16 model loads; its output the same bits alone, batched, chunked and after
-    a prefix hit."""
+def test_a_bf16_model_kept_in_these_formats_takes_the_tiles_and_is_batch_invariant(mixed_gguf):  # noqa: F811
+    """The mixed file's Q4_0 / Q4_1 / Q8_0 parts (its gate and up projections, its v projection,
+    its tied embedding and head) interleaved for the tiles as a bfloat16 model loads, the tied
+    ones still one copy; its output the same bits alone, batched, chunked and after a prefix
+    hit (one row takes the tiles' vector twin, more the tiles)."""
     from xlserve import LLM, SamplingParams
     path, _ = mixed_gguf
     kept = LLM(path, dtype="bfloat16", kv_cache_tokens=1024)
-    gate_up = kept.engine.runner.model.model.layers[0].mlp.gate_up_proj.weight
+    model = kept.engine.runner.model
+    gate_up = model.model.layers[0].mlp.gate_up_proj.weight
     assert [p.qtype for p in gate_up.parts] == [BlockType.Q4_0_X16, BlockType.Q4_1_X16]
+    assert model.model.layers[0].self_attn.qkv_proj.weight.parts[-1].qtype is BlockType.Q8_0_X16
+    head, embedding = model.lm_head.weight.parts[0], model.model.embed_tokens.weight.parts[0]
+    assert head.qtype is BlockType.Q8_0_X16 and head.data is embedding.data
     params = SamplingParams(**PARAMS)
     batched = [o.outputs[0] for o in kept.generate(PROMPTS, params)]
     alone = [kept.generate(p, params)[0].outputs[0] for p in PROMPTS]

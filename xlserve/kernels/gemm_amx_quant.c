@@ -1,15 +1,18 @@
-/* Q4_0 and Q4_1 weights interleaved 16 rows at a time (dot_q8_x16.c's layout) against bfloat16
- * activations on AMX tiles: a bfloat16 model kept in those formats, on CPUs with AMX-BF16
- * (Intel Sapphire Rapids and later). Its activations are bfloat16 values already, so the
- * rounding below changes nothing there.
+/* Q4_0, Q4_1 and Q8_0 weights interleaved 16 rows at a time (dot_q8_x16.c's layout) against
+ * bfloat16 activations on AMX tiles: a bfloat16 model kept in those formats, on CPUs with
+ * AMX-BF16 (Intel Sapphire Rapids and later). Its activations are bfloat16 values already, so
+ * the rounding below changes nothing there.
  *
- * A block's weight is d * q + m (Q4_0: m = -8 d) with q an integer 0..15, so its dot with x is
+ * A Q4 block's weight is d * q + m (Q4_0: m = -8 d) with q an integer 0..15, so its dot with x is
  *   d * sum(x q) + m * sum(x) = 16 d * sum(x (1 + q / 16)) + (m - 16 d) * sum(x).
  * 1 + q / 16 is a bfloat16 (bits 0x3F80 | q << 3: vpmultishiftqb moves each nibble to bits 3-6
  * of its word, vpternlogd masks it and sets the rest, two instructions for 16 rows' pair), and
- * every product x (1 + q / 16) is exact. One tile product (tdpbf16ps) takes a block of 16
- * weight rows (B: 16 value pairs x 16 rows) against up to 16 activation rows (A: their pairs of
- * the block), and each row's 16 sums are then scaled and added in fp32, block after block.
+ * every product x (1 + q / 16) is exact. A Q8_0 block's weight is d * q with q an integer
+ * -128..127, itself a bfloat16 (8 bits; converted through fp32, about 8 instructions a pair),
+ * so its dot is d * sum(x q), every product exact too. One tile product (tdpbf16ps) takes a
+ * block of 16 weight rows (B: 16 value pairs x 16 rows) against up to 16 activation rows (A:
+ * their pairs of the block), and each row's 16 sums are then scaled and added in fp32, block
+ * after block.
  *
  * Why: the fp32 kernel (gemm_quant.c) spends a permute and a widening per 16 values and an FMA
  * per 16 products per activation row; here the tile unit takes the products of up to 16 rows
@@ -28,6 +31,10 @@
  * The one-row twin and one accumulator a row (below), against the kernel before them, same
  * process, minimum of 9 interleaved, another day: 1 row 3.25 / 3.76 ms, 8 rows 5.28 / 5.77,
  * 32 rows 10.7 / 13.0, 512 rows 157 / 188.
+ * The default model's Q8_0 head (49152 x 576), tiles (one row: the twin) against the fp32
+ * kernel, same process, minimum of 9 interleaved: 1 row 1.11 / 1.16 ms in one run, 2.07 /
+ * 1.92 in another (the machine's speed varied twofold that day), 8 rows 2.58 / 5.09, 16 rows
+ * 3.05 / 7.92, 32 rows 5.26 / 14.8, 64 rows 8.80 / 23.9.
  *
  * Batch invariance: a row's sums in a tile product depend on its own pairs and the block alone,
  * not on the tile's other rows or how many it has (tested alone against batched); the fp32
@@ -48,7 +55,7 @@
 #include "amx_tiles.h"
 
 /* 1 when the process may use AMX tiles (asks the kernel on first call). */
-int xl_amx_q4_ready(void) { return amx_permitted(); }
+int xl_amx_quant_ready(void) { return amx_permitted(); }
 
 /* tile registers (literal numbers: the intrinsics paste them into the instruction) */
 #define TILE_A0 0
@@ -76,14 +83,15 @@ static void configure(int rows) {
 static const short PAIRED[32] = {0,  4,  1,  5,  2,  6,  3,  7,  8,  12, 9,  13, 10, 14, 11, 15,
                                  16, 20, 17, 21, 18, 22, 19, 23, 24, 28, 25, 29, 26, 30, 27, 31};
 
-/* Row ``x`` as ``blocks`` rows of an A tile (16 pairs of bfloat16, round to nearest even) and
- * each block's sum of those bfloat16 values (fp32, a fixed order). */
-static void pair_row(const float* x, int64_t blocks, uint32_t* pairs, float* sums) {
+/* Row ``x`` as ``blocks`` rows of an A tile (16 pairs of bfloat16, round to nearest even; Q8_0:
+ * pair p holds values 2p and 2p + 1, Q4: PAIRED) and each block's sum of those bfloat16 values
+ * (fp32, a fixed order). */
+static void pair_row(int base, const float* x, int64_t blocks, uint32_t* pairs, float* sums) {
   const __m512i order = _mm512_loadu_si512(PAIRED);
   for (int64_t b = 0; b < blocks; ++b) {
     const __m512 lo = _mm512_loadu_ps(x + 32 * b), hi = _mm512_loadu_ps(x + 32 * b + 16);
     const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(hi, lo); /* words 0-15: lo, 16-31: hi */
-    _mm512_storeu_si512(pairs + 16 * b, _mm512_permutexvar_epi16(order, v));
+    _mm512_storeu_si512(pairs + 16 * b, base == Q8_0 ? v : _mm512_permutexvar_epi16(order, v));
     const __m512i wide_lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(v));
     const __m512i wide_hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1));
     sums[b] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(wide_lo, 16)),
@@ -98,9 +106,42 @@ static inline __m512i pair_control(int t) {
   return _mm512_set1_epi64((long long)(dword | (dword + (32 | 32 << 16)) << 32));
 }
 
-/* One block of a 16-row group as a B tile: row 4j + t, lane r = row r's pair 4j + t as two
+/* Q8_0: byte t of each lane of register v (value 4j + t of row r's block) as fp32, exact. */
+static inline __m512 q8_values(__m512i v, int t) {
+  return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * t), 24));
+}
+
+/* Pair k of a block of a 16-row group, lane r = row r's two values as fp32: Q4 1 + q / 16 (the
+ * nibble moved to bits 19-22), Q8_0 q. */
+static inline void pair_weights(int base, const uint8_t* g, int k, __m512* first, __m512* second) {
+  if (base == Q8_0) {
+    const __m512i v = _mm512_loadu_si512(g + 64 * (k / 2));
+    *first = q8_values(v, 2 * (k % 2));
+    *second = q8_values(v, 2 * (k % 2) + 1);
+    return;
+  }
+  const __m512i one = _mm512_set1_epi32(0x3F800000), nibble = _mm512_set1_epi32(0x00780000);
+  const __m512i selected = _mm512_multishift_epi64_epi8(pair_control(k % 4), _mm512_loadu_si512(g + 64 * (k / 4)));
+  *first = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_slli_epi32(selected, 16), one, nibble, 0xEC));
+  *second = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(selected, one, nibble, 0xEC));
+}
+
+/* Q8_0's block of a 16-row group as a B tile: row k, lane r = row r's values 2k and 2k + 1 as
+ * bfloat16 (exact: 8 bits). */
+static inline void block_tile_q8(const uint8_t* g, uint32_t* tile) {
+  const __m512i high = _mm512_set1_epi32((int)0xFFFF0000);
+  for (int k = 0; k < 16; ++k) {
+    __m512 first, second; /* 0xF8: (first >> 16) | (second & high) */
+    pair_weights(Q8_0, g, k, &first, &second);
+    _mm512_store_si512(tile + 16 * k, _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(first), 16),
+                                                                _mm512_castps_si512(second), high, 0xF8));
+  }
+}
+
+/* One block of a 16-row group as a B tile; Q4: row 4j + t, lane r = row r's pair 4j + t as two
  * bfloat16 1 + q / 16. */
-static inline void block_tile(const uint8_t* g, uint32_t* tile) {
+static inline void block_tile(int base, const uint8_t* g, uint32_t* tile) {
+  if (base == Q8_0) return block_tile_q8(g, tile);
   const __m512i one = _mm512_set1_epi32(0x3F803F80), nibble = _mm512_set1_epi32(0x00780078);
   for (int j = 0; j < 4; ++j) {
     const __m512i v = _mm512_loadu_si512(g + 64 * j);
@@ -111,8 +152,13 @@ static inline void block_tile(const uint8_t* g, uint32_t* tile) {
   }
 }
 
-/* The block's 16 d times 16 and m - 16 d (Q4_0: m = -8 d). */
+/* The block's 16 d times 16 and m - 16 d (Q4_0: m = -8 d); Q8_0: d alone. */
 static inline void block_scales(int base, const uint8_t* g, __m512* d16, __m512* c) {
+  if (base == Q8_0) {
+    *d16 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + 512)));
+    *c = _mm512_setzero_ps();
+    return;
+  }
   *d16 = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + 256))), _mm512_set1_ps(16.0f));
   const __m512 m = base == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + 288)))
                                 : _mm512_mul_ps(*d16, _mm512_set1_ps(-0.5f));
@@ -134,10 +180,11 @@ static inline void block_pair(const uint32_t* a, int64_t blocks, int64_t b, cons
   _tile_stored(TILE_C1, cb + 256, 64);
 }
 
-/* Row i's sum: block after block, acc = fma(16 d, its tile sums, acc) then fma(m - 16 d, its sum
- * of x, acc); the same operations in the same order for every row count. */
-static inline __m512 scale_sums(__m512 acc, __m512 d16, __m512 c, __m512 sums, float s) {
-  return _mm512_fmadd_ps(c, _mm512_set1_ps(s), _mm512_fmadd_ps(d16, sums, acc));
+/* Row i's sum: block after block, acc = fma(16 d, its tile sums, acc) then (Q4) fma(m - 16 d,
+ * its sum of x, acc); the same operations in the same order for every row count. */
+static inline __m512 scale_sums(int base, __m512 acc, __m512 d16, __m512 c, __m512 sums, float s) {
+  acc = _mm512_fmadd_ps(d16, sums, acc);
+  return base == Q8_0 ? acc : _mm512_fmadd_ps(c, _mm512_set1_ps(s), acc);
 }
 
 /* One group of 16 weight rows (``blocks`` even) against ``rows`` <= 16 activation rows: their
@@ -150,15 +197,15 @@ static void group_rows(int base, const uint8_t* g, const uint32_t* a, const floa
   for (int64_t b = 0; b < blocks; b += 2) {
     const uint8_t* p = g + b * gb;
     for (int o = 0; o < 2 * gb; o += 64) prefetch_ahead(p + o);
-    block_tile(p, bt);
-    block_tile(p + gb, bt + 256);
+    block_tile(base, p, bt);
+    block_tile(base, p + gb, bt + 256);
     block_pair(a, blocks, b, bt, cb);
     __m512 d16[2], c[2];
     block_scales(base, p, &d16[0], &c[0]);
     block_scales(base, p + gb, &d16[1], &c[1]);
     for (int i = 0; i < rows; ++i) {
-      acc[i] = scale_sums(acc[i], d16[0], c[0], _mm512_load_ps(cb + 16 * i), s[i * blocks + b]);
-      acc[i] = scale_sums(acc[i], d16[1], c[1], _mm512_load_ps(cb + 256 + 16 * i), s[i * blocks + b + 1]);
+      acc[i] = scale_sums(base, acc[i], d16[0], c[0], _mm512_load_ps(cb + 16 * i), s[i * blocks + b]);
+      acc[i] = scale_sums(base, acc[i], d16[1], c[1], _mm512_load_ps(cb + 256 + 16 * i), s[i * blocks + b + 1]);
     }
   }
   for (int i = 0; i < rows; ++i) _mm512_storeu_ps(out + i * ldo, acc[i]);
@@ -173,17 +220,17 @@ static void group_tiles(int base, const uint8_t* g, const uint32_t* a, const flo
   for (int64_t b = 0; b < blocks; b += 2) {
     const uint8_t* p = g + b * gb;
     for (int o = 0; o < 2 * gb; o += 64) prefetch_ahead(p + o);
-    block_tile(p, bt);
-    block_tile(p + gb, bt + 256);
+    block_tile(base, p, bt);
+    block_tile(base, p + gb, bt + 256);
     __m512 d16[2], c[2];
     block_scales(base, p, &d16[0], &c[0]);
     block_scales(base, p + gb, &d16[1], &c[1]);
     for (int64_t m0 = 0; m0 < M; m0 += 16) {
       block_pair(a + m0 * blocks * 16, blocks, b, bt, cb);
       for (int64_t i = m0; i < M && i < m0 + 16; ++i) {
-        const float* ci = cb + 16 * (i - m0);
-        __m512 acc = scale_sums(_mm512_load_ps(sums + 16 * i), d16[0], c[0], _mm512_load_ps(ci), s[i * blocks + b]);
-        _mm512_store_ps(sums + 16 * i, scale_sums(acc, d16[1], c[1], _mm512_load_ps(ci + 256), s[i * blocks + b + 1]));
+        const float *ci = cb + 16 * (i - m0), *si = s + i * blocks + b;
+        __m512 acc = scale_sums(base, _mm512_load_ps(sums + 16 * i), d16[0], c[0], _mm512_load_ps(ci), si[0]);
+        _mm512_store_ps(sums + 16 * i, scale_sums(base, acc, d16[1], c[1], _mm512_load_ps(ci + 256), si[1]));
       }
     }
   }
@@ -201,26 +248,20 @@ static void group_tiles(int base, const uint8_t* g, const uint32_t* a, const flo
 static void group_one_row(int base, const uint8_t* g, const float* x_first, const float* x_second,
                           const float* s, int64_t blocks, float* out) {
   const int gb = 16 * block_bytes(base);
-  const __m512i one = _mm512_set1_epi32(0x3F800000), nibble = _mm512_set1_epi32(0x00780000);
   __m512 acc = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* p = g + b * gb;
     for (int o = 0; o < gb; o += 64) prefetch_ahead(p + o);
     __m512 first = _mm512_setzero_ps(), second = _mm512_setzero_ps();
-    for (int j = 0; j < 4; ++j) {
-      const __m512i v = _mm512_loadu_si512(p + 64 * j);
-      for (int t = 0; t < 4; ++t) { /* the pair's words as fp32 1 + q / 16: nibble to bits 19-22 */
-        const __m512i selected = _mm512_multishift_epi64_epi8(pair_control(t), v);
-        const __m512i w_first = _mm512_ternarylogic_epi32(_mm512_slli_epi32(selected, 16), one, nibble, 0xEC);
-        const __m512i w_second = _mm512_ternarylogic_epi32(selected, one, nibble, 0xEC);
-        const int64_t k = 16 * b + 4 * j + t;
-        first = _mm512_fmadd_ps(_mm512_set1_ps(x_first[k]), _mm512_castsi512_ps(w_first), first);
-        second = _mm512_fmadd_ps(_mm512_set1_ps(x_second[k]), _mm512_castsi512_ps(w_second), second);
-      }
+    for (int k = 0; k < 16; ++k) {
+      __m512 w_first, w_second;
+      pair_weights(base, p, k, &w_first, &w_second);
+      first = _mm512_fmadd_ps(_mm512_set1_ps(x_first[16 * b + k]), w_first, first);
+      second = _mm512_fmadd_ps(_mm512_set1_ps(x_second[16 * b + k]), w_second, second);
     }
     __m512 d16, c;
     block_scales(base, p, &d16, &c);
-    acc = scale_sums(acc, d16, c, _mm512_add_ps(first, second), s[b]);
+    acc = scale_sums(base, acc, d16, c, _mm512_add_ps(first, second), s[b]);
   }
   _mm512_storeu_ps(out, acc);
 }
@@ -234,7 +275,7 @@ static void split_pairs(const uint32_t* pairs, int64_t n, float* first, float* s
   }
 }
 
-/* xl_linear_amx_q4 for one row. */
+/* xl_linear_amx_quant for one row. */
 static void linear_one_row(int base, const float* x, const uint8_t* w, float* out, int64_t N, int64_t K,
                            int threads) {
   const int64_t blocks = K / 32, group_bytes = blocks * 16 * block_bytes(base);
@@ -242,7 +283,7 @@ static void linear_one_row(int base, const float* x, const uint8_t* w, float* ou
   float* s = (float*)xl_scratch(sizeof(float) * (size_t)blocks);
   float* first = (float*)xl_scratch(sizeof(float) * 16 * (size_t)blocks);
   float* second = (float*)xl_scratch(sizeof(float) * 16 * (size_t)blocks);
-  pair_row(x, blocks, a, s);
+  pair_row(base, x, blocks, a, s);
   split_pairs(a, 16 * blocks, first, second);
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t gi = 0; gi < N / 16; ++gi)
@@ -252,9 +293,9 @@ static void linear_one_row(int base, const float* x, const uint8_t* w, float* ou
 
 /* x: [M, K] fp32 (rounded to bfloat16 here); w: N / 16 interleaved groups of Q4_0 or Q4_1 (K a
  * multiple of 64); out: [M, ldo], columns 0..N-1. */
-void xl_linear_amx_q4(int base, const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K,
+void xl_linear_amx_quant(int base, const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K,
                       int64_t ldo, int threads) {
-  if (!xl_amx_q4_ready()) abort(); /* never: the layout is chosen for this kernel where it says 1 */
+  if (!xl_amx_quant_ready()) abort(); /* never: the layout is chosen for this kernel where it says 1 */
   if (M == 1) return linear_one_row(base, x, w, out, N, K, threads);
   const int64_t blocks = K / 32, groups = N / 16, padded = (M + 15) / 16 * 16;
   const int64_t group_bytes = blocks * 16 * block_bytes(base);
@@ -264,7 +305,7 @@ void xl_linear_amx_q4(int base, const float* x, const uint8_t* w, float* out, in
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; ++m) pair_row(x + m * K, blocks, a + m * blocks * 16, s + m * blocks);
+    for (int64_t m = 0; m < M; ++m) pair_row(base, x + m * K, blocks, a + m * blocks * 16, s + m * blocks);
     uint32_t* bt = (uint32_t*)xl_scratch(2048);
     float* cb = (float*)xl_scratch(2048);
     float* sums = M > 16 ? (float*)xl_scratch(sizeof(float) * 16 * PASS_ROWS) : NULL;
@@ -288,11 +329,11 @@ void xl_linear_amx_q4(int base, const float* x, const uint8_t* w, float* out, in
   free(s);
 }
 #else
-int xl_amx_q4_ready(void) { return 0; }
+int xl_amx_quant_ready(void) { return 0; }
 
-void xl_linear_amx_q4(int base, const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K,
+void xl_linear_amx_quant(int base, const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K,
                       int64_t ldo, int threads) {
   (void)base, (void)x, (void)w, (void)out, (void)M, (void)N, (void)K, (void)ldo, (void)threads;
-  abort(); /* never called: weights take this layout for it only where xl_amx_q4_ready says 1 */
+  abort(); /* never called: weights take this layout for it only where xl_amx_quant_ready says 1 */
 }
 #endif
