@@ -63,7 +63,7 @@ def test_a_bf16_model_kept_in_these_formats_takes_the_tiles_and_is_batch_invaria
     """The mixed file's Q4_0 / Q4_1 / Q8_0 parts (its gate and up projections, its v projection,
     its tied embedding and head) interleaved for the tiles as a bfloat16 model loads, the tied
     ones still one copy; its output the same bits alone, batched, chunked and after a prefix
-    hit (one row takes the tiles' vector twin, more the tiles)."""
+    hit."""
     from xlserve import LLM, SamplingParams
     path, _ = mixed_gguf
     kept = LLM(path, dtype="bfloat16", kv_cache_tokens=1024)

@@ -28,20 +28,22 @@
  * previous one is stored and scaled (1 row 3.21 against 3.05, 16 rows 5.69 against 5.22).
  * vdpbf16ps in place of the tiles was 2.14 against 2.80 ms at 1 row but 148 against 72 at
  * 128: on this Xeon it retires one every two cycles.
- * The one-row twin and one accumulator a row (below), against the kernel before them, same
- * process, minimum of 9 interleaved, another day: 1 row 3.25 / 3.76 ms, 8 rows 5.28 / 5.77,
- * 32 rows 10.7 / 13.0, 512 rows 157 / 188.
- * The default model's Q8_0 head (49152 x 576), tiles (one row: the twin) against the fp32
- * kernel, same process, minimum of 9 interleaved: 1 row 1.11 / 1.16 ms in one run, 2.07 /
- * 1.92 in another (the machine's speed varied twofold that day), 8 rows 2.58 / 5.09, 16 rows
- * 3.05 / 7.92, 32 rows 5.26 / 14.8, 64 rows 8.80 / 23.9.
+ * One accumulator a row (below) against two, same process, minimum of 9 interleaved, another
+ * day (the machine slower): 1 row 4.89 / 5.06 ms, 8 rows 5.79 / 6.26, 17 rows 11.5 / 12.6, 32
+ * rows 14.7 / 16.4, 64 rows 27.3 / 32.1, 512 rows 181 / 200. The default model's Q8_0 head
+ * (49152 x 576), tiles against the fp32 kernel, the same way: 1 row 1.63 / 1.58 ms, 2 rows
+ * 1.65 / 1.66, 4 rows 1.78 / 2.35, 8 rows 1.84 / 4.28, 16 rows 2.21 / 6.12, 32 rows 4.03 /
+ * 11.8, 64 rows 8.38 / 22.6.
+ * Tried, not kept: one row without the tiles, the tile product's arithmetic in vector FMAs
+ * (the same bits, docs/quantization.md). 30 layers' matmuls and the head at one row, the
+ * default model's weights: 4.49 against 5.47 ms a token alone, but end to end no faster at
+ * batch 1 (two alternating fresh processes each, three runs each: 113-141 against 122-144
+ * tok/s; the Q4 part or the head's alone, four rounds: within the tiles' spread).
  *
  * Batch invariance: a row's sums in a tile product depend on its own pairs and the block alone,
  * not on the tile's other rows or how many it has (tested alone against batched); the fp32
  * scaling runs in block order per row, one accumulator: acc = fma(16 d, sums, acc), then
- * fma(m - 16 d, sum(x), acc) (two accumulators added at the end took 9-21% longer from 8
- * rows, 4 rows level: twice the registers, or the loads and stores, per row). One row takes
- * group_one_row, the tile product's arithmetic in vector FMAs: the same bits. CPUs without
+ * fma(m - 16 d, sum(x), acc) (two accumulators added at the end: above). CPUs without
  * AMX compute other bits (gemm_quant.c), as they do for dense bfloat16 weights.
  */
 #include <stdint.h>
@@ -111,30 +113,15 @@ static inline __m512 q8_values(__m512i v, int t) {
   return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * t), 24));
 }
 
-/* Pair k of a block of a 16-row group, lane r = row r's two values as fp32: Q4 1 + q / 16 (the
- * nibble moved to bits 19-22), Q8_0 q. */
-static inline void pair_weights(int base, const uint8_t* g, int k, __m512* first, __m512* second) {
-  if (base == Q8_0) {
-    const __m512i v = _mm512_loadu_si512(g + 64 * (k / 2));
-    *first = q8_values(v, 2 * (k % 2));
-    *second = q8_values(v, 2 * (k % 2) + 1);
-    return;
-  }
-  const __m512i one = _mm512_set1_epi32(0x3F800000), nibble = _mm512_set1_epi32(0x00780000);
-  const __m512i selected = _mm512_multishift_epi64_epi8(pair_control(k % 4), _mm512_loadu_si512(g + 64 * (k / 4)));
-  *first = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_slli_epi32(selected, 16), one, nibble, 0xEC));
-  *second = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(selected, one, nibble, 0xEC));
-}
-
 /* Q8_0's block of a 16-row group as a B tile: row k, lane r = row r's values 2k and 2k + 1 as
  * bfloat16 (exact: 8 bits). */
 static inline void block_tile_q8(const uint8_t* g, uint32_t* tile) {
   const __m512i high = _mm512_set1_epi32((int)0xFFFF0000);
-  for (int k = 0; k < 16; ++k) {
-    __m512 first, second; /* 0xF8: (first >> 16) | (second & high) */
-    pair_weights(Q8_0, g, k, &first, &second);
-    _mm512_store_si512(tile + 16 * k, _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(first), 16),
-                                                                _mm512_castps_si512(second), high, 0xF8));
+  for (int k = 0; k < 16; ++k) { /* 0xF8: (first >> 16) | (second & high) */
+    const __m512i v = _mm512_loadu_si512(g + 64 * (k / 2));
+    const __m512i first = _mm512_castps_si512(q8_values(v, 2 * (k % 2)));
+    const __m512i second = _mm512_castps_si512(q8_values(v, 2 * (k % 2) + 1));
+    _mm512_store_si512(tile + 16 * k, _mm512_ternarylogic_epi32(_mm512_srli_epi32(first, 16), second, high, 0xF8));
   }
 }
 
@@ -237,66 +224,11 @@ static void group_tiles(int base, const uint8_t* g, const uint32_t* a, const flo
   for (int64_t i = 0; i < M; ++i) _mm512_storeu_ps(out + i * ldo, _mm512_load_ps(sums + 16 * i));
 }
 
-/* One row against a group without the tiles, the same bits as group_rows: a tile product sums a
- * row's first products of each pair in pair order and its second products the same way, each
- * rounded to fp32 at every step, then adds the two (measured bit for bit against tdpbf16ps, and
- * tested: alone against batched). Every product is exact, so one FMA a product in that order
- * is what the tile computes. x_first / x_second: the row's pairs' values as fp32.
- * Why: at one row the tile unit's fixed cost per product dominates. 30 layers of the default
- * model's Q4_1 shapes, same process, interleaved: 3.34 against 4.16 ms for the tiles (at 2
- * rows 4.24 against 4.26, so the tiles take every other row count). */
-static void group_one_row(int base, const uint8_t* g, const float* x_first, const float* x_second,
-                          const float* s, int64_t blocks, float* out) {
-  const int gb = 16 * block_bytes(base);
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* p = g + b * gb;
-    for (int o = 0; o < gb; o += 64) prefetch_ahead(p + o);
-    __m512 first = _mm512_setzero_ps(), second = _mm512_setzero_ps();
-    for (int k = 0; k < 16; ++k) {
-      __m512 w_first, w_second;
-      pair_weights(base, p, k, &w_first, &w_second);
-      first = _mm512_fmadd_ps(_mm512_set1_ps(x_first[16 * b + k]), w_first, first);
-      second = _mm512_fmadd_ps(_mm512_set1_ps(x_second[16 * b + k]), w_second, second);
-    }
-    __m512 d16, c;
-    block_scales(base, p, &d16, &c);
-    acc = scale_sums(base, acc, d16, c, _mm512_add_ps(first, second), s[b]);
-  }
-  _mm512_storeu_ps(out, acc);
-}
-
-/* The row's pairs (``pair_row``) split into their first and second values as fp32. */
-static void split_pairs(const uint32_t* pairs, int64_t n, float* first, float* second) {
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t lo = pairs[i] << 16, hi = pairs[i] & 0xFFFF0000u;
-    memcpy(first + i, &lo, 4);
-    memcpy(second + i, &hi, 4);
-  }
-}
-
-/* xl_linear_amx_quant for one row. */
-static void linear_one_row(int base, const float* x, const uint8_t* w, float* out, int64_t N, int64_t K,
-                           int threads) {
-  const int64_t blocks = K / 32, group_bytes = blocks * 16 * block_bytes(base);
-  uint32_t* a = (uint32_t*)xl_scratch(sizeof(uint32_t) * 16 * (size_t)blocks);
-  float* s = (float*)xl_scratch(sizeof(float) * (size_t)blocks);
-  float* first = (float*)xl_scratch(sizeof(float) * 16 * (size_t)blocks);
-  float* second = (float*)xl_scratch(sizeof(float) * 16 * (size_t)blocks);
-  pair_row(base, x, blocks, a, s);
-  split_pairs(a, 16 * blocks, first, second);
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t gi = 0; gi < N / 16; ++gi)
-    group_one_row(base, w + gi * group_bytes, first, second, s, blocks, out + 16 * gi);
-  free(a), free(s), free(first), free(second);
-}
-
 /* x: [M, K] fp32 (rounded to bfloat16 here); w: N / 16 interleaved groups of Q4_0 or Q4_1 (K a
  * multiple of 64); out: [M, ldo], columns 0..N-1. */
 void xl_linear_amx_quant(int base, const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K,
                       int64_t ldo, int threads) {
   if (!xl_amx_quant_ready()) abort(); /* never: the layout is chosen for this kernel where it says 1 */
-  if (M == 1) return linear_one_row(base, x, w, out, N, K, threads);
   const int64_t blocks = K / 32, groups = N / 16, padded = (M + 15) / 16 * 16;
   const int64_t group_bytes = blocks * 16 * block_bytes(base);
   uint32_t* a = (uint32_t*)xl_scratch(sizeof(uint32_t) * 16 * (size_t)(padded * blocks));
