@@ -174,11 +174,37 @@ typedef struct {
  * run a slot (bf16 widened exactly): the keys transposed into kt (value d of every key of the
  * tile in row d, a key a lane; lanes past n zero), VW keys at a time in registers; the values
  * as rows of vt, kvh * D values a key. */
+#if VW == KT
+/* Keys' values [d, d + 2 VW) from a bf16 cache into kt rows d.. d + 2 VW - 1: the tile's keys as
+ * rows of VW value pairs, transposed a pair (32 bits) a lane, then each pair's two values
+ * widened into their rows (a shift, a mask): half the shuffles of widening first and
+ * transposing each VW values, the same floats. The gather of a decode row's tiles (a key tile
+ * read for one row's heads) took 12% of the default model's 32-sequence decode (AMX Xeon,
+ * perf); the kernel alone (9 query and 3 KV heads, bf16 cache, 2 threads, minimum of 7 in one
+ * process), 32 decode rows against 100 keys 0.148 -> 0.130 ms a layer, against 480 keys 0.868
+ * -> 0.807, one row against 4,000 keys 0.210 -> 0.188, 512 prompt rows against 1,024 keys
+ * 7.39 -> 6.91. */
+static void transpose_bf16_pairs(const uint16_t* cache, const int64_t* at, int n, int64_t d, float* kt) {
+  vf r[VW];
+  for (int i = 0; i < VW; ++i) r[i] = i < n ? vload((const float*)(cache + at[i] + d)) : vzero();
+  vtranspose(r); /* r[p], lane i: key i's values d + 2p (low half) and d + 2p + 1 */
+  for (int p = 0; p < VW; ++p) {
+    vstore(kt + (d + 2 * p) * KT, vbf16_low(r[p]));
+    vstore(kt + (d + 2 * p + 1) * KT, vbf16_high(r[p]));
+  }
+}
+#endif
+
 static void gather_tile(const attention_args* a, const work_item* w, int64_t j0, int n, float* kt, float* vt) {
   const int64_t span = w->kvh * a->D;
   int64_t at[KT];
   for (int i = 0; i < n; ++i) at[i] = a->slots[j0 + i] * a->slot_stride + w->kh * a->D;
-  for (int64_t d = 0; d < span; d += VW)
+  int64_t d = 0;
+#if VW == KT
+  if (a->bf16)
+    for (; d + 2 * VW <= span; d += 2 * VW) transpose_bf16_pairs((const uint16_t*)a->k_cache, at, n, d, kt);
+#endif
+  for (; d < span; d += VW)
     for (int g = 0; g < KT; g += VW) {
       vf r[VW];
       for (int i = 0; i < VW; ++i) r[i] = g + i < n ? load_lanes(a->k_cache, at[g + i] + d, a->bf16) : vzero();
@@ -186,7 +212,7 @@ static void gather_tile(const attention_args* a, const work_item* w, int64_t j0,
       for (int e = 0; e < VW; ++e) vstore(kt + (d + e) * KT + g, r[e]);
     }
   for (int i = 0; i < n; ++i)
-    for (int64_t d = 0; d < span; d += VW) vstore(vt + i * span + d, load_lanes(a->v_cache, at[i] + d, a->bf16));
+    for (int64_t e = 0; e < span; e += VW) vstore(vt + i * span + e, load_lanes(a->v_cache, at[i] + e, a->bf16));
 }
 
 /* The table entries [lo, hi) that rows [row, row + rows) see, cut to chunk c's (c < 0: all). */

@@ -47,6 +47,11 @@ static inline void vsum16(const vf* v, float* s) {
   const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
   _mm512_storeu_ps(s, _mm512_permutexvar_ps(order, sums));
 }
+/* each lane's two bf16 halves as fp32: the low (bits 0-15) and the high one (bits 16-31) */
+static inline vf vbf16_low(vf v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(v), 16)); }
+static inline vf vbf16_high(vf v) {
+  return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0xFFFF0000)));
+}
 /* r[i][j] -> r[j][i] for the 16 x 16 lanes of r[0..15] */
 static inline void vtranspose(vf* r) {
   vf t[16];
