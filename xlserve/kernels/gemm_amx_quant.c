@@ -224,10 +224,10 @@ static void group_tiles(int base, const uint8_t* g, const uint32_t* a, const flo
   for (int64_t i = 0; i < M; ++i) _mm512_storeu_ps(out + i * ldo, _mm512_load_ps(sums + 16 * i));
 }
 
-/* x: [M, K] fp32 (rounded to bfloat16 here); w: N / 16 interleaved groups of Q4_0 or Q4_1 (K a
+/* x: [M, K] fp32 (rounded to bfloat16 here); w: N / 16 interleaved groups of Q4_0, Q4_1 or Q8_0 (K a
  * multiple of 64); out: [M, ldo], columns 0..N-1. */
 void xl_linear_amx_quant(int base, const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K,
-                      int64_t ldo, int threads) {
+                         int64_t ldo, int threads) {
   if (!xl_amx_quant_ready()) abort(); /* never: the layout is chosen for this kernel where it says 1 */
   const int64_t blocks = K / 32, groups = N / 16, padded = (M + 15) / 16 * 16;
   const int64_t group_bytes = blocks * 16 * block_bytes(base);
@@ -264,7 +264,7 @@ void xl_linear_amx_quant(int base, const float* x, const uint8_t* w, float* out,
 int xl_amx_quant_ready(void) { return 0; }
 
 void xl_linear_amx_quant(int base, const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K,
-                      int64_t ldo, int threads) {
+                         int64_t ldo, int threads) {
   (void)base, (void)x, (void)w, (void)out, (void)M, (void)N, (void)K, (void)ldo, (void)threads;
   abort(); /* never called: weights take this layout for it only where xl_amx_quant_ready says 1 */
 }
