@@ -39,11 +39,16 @@ def test_every_model_flag_is_declared_by_every_path():
     # CPUs without the AVX-512 kernels: the portable one-call step, or eager where it does not fit
     (PORTABLE, frozenset({"attention_bias", "tie_word_embeddings", "rope_scaling"}), DecodePath.PORTABLE_ONE_CALL),
     (PORTABLE, frozenset({"qk_norm"}), DecodePath.EAGER),
-    (dataclasses.replace(PORTABLE, rows=65), frozenset(), DecodePath.EAGER),
+    (dataclasses.replace(PORTABLE, rows=65), frozenset(), DecodePath.PORTABLE_ONE_CALL),  # its own limit
+    (dataclasses.replace(PORTABLE, rows=97), frozenset(), DecodePath.EAGER),
     (dataclasses.replace(PORTABLE, decode_only=False), frozenset(), DecodePath.EAGER),
 ])
 def test_the_fastest_path_that_takes_the_step_and_the_model(step, features, expected):
-    assert plan_decode(step, features, max_fused_rows=64) is expected
+    assert plan_decode(step, features, max_fused_rows=64, max_portable_rows=96) is expected
+
+
+def test_the_portable_step_takes_the_fused_limit_unless_given_its_own():
+    assert plan_decode(dataclasses.replace(PORTABLE, rows=65), frozenset(), 64) is DecodePath.EAGER
 
 
 def test_a_feature_no_fast_path_implements_keeps_the_model_eager():

@@ -43,10 +43,12 @@ class StepShape:
     portable_fits: bool = False
 
 
-def plan_decode(step: StepShape, features: frozenset[str], max_fused_rows: int) -> DecodePath:
-    """The fastest path that takes this step and implements every feature of the model."""
+def plan_decode(step: StepShape, features: frozenset[str], max_fused_rows: int,
+                max_portable_rows: int | None = None) -> DecodePath:
+    """The fastest path that takes this step and implements every feature of the model; the
+    portable one-call step takes up to ``max_portable_rows`` rows (default: as the fused)."""
     fused = step.cpu_kernels and step.decode_only and step.rows <= max_fused_rows
-    portable = step.portable_fits and step.decode_only and step.rows <= max_fused_rows
+    portable = step.portable_fits and step.decode_only and step.rows <= (max_portable_rows or max_fused_rows)
     for path, applies in ((DecodePath.CUDA_GRAPH, step.graph_fits), (DecodePath.ONE_CALL, fused and step.one_call_fits),
                           (DecodePath.PORTABLE_ONE_CALL, portable), (DecodePath.FUSED_LAYERS, fused)):
         if applies and features <= IMPLEMENTS[path]:

@@ -133,7 +133,7 @@ class ModelRunner:
         step = StepShape(decode_only, rows, graph_fits=self._graph_fits(scheduled), cpu_kernels=cpu_kernels,
                          one_call_fits=decode_only and one_call is not None and one_call(rows),
                          portable_fits=decode_only and self._portable_step_applies())
-        return plan_decode(step, self.features, cpu_ops.MAX_ROWS)
+        return plan_decode(step, self.features, cpu_ops.MAX_ROWS, cpu_ops.PORTABLE_MAX_ROWS)
 
     def _build_metadata(self, scheduled: list[ScheduledRequest], path: DecodePath,
                         cpu_kernels: bool) -> AttentionMetadata:

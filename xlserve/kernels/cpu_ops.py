@@ -28,6 +28,11 @@ SOURCES = [Path(__file__).with_name(n) for n in ("gemv_bf16.c", "gemm_amx.c", "d
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 LINEAR_MAX_ROWS = 4  # beyond this, a matmul on AMX tiles (or oneDNN's GEMM) beats a pass per row block
 MAX_ROWS = 64  # decode batches up to this size take the fused path (norm, rope, attention)
+# The portable one-call step (decode_step.c) has no row limit of its own; a speculative step's
+# checking rows reach 80-100 at batch 8. The default model (Q4_1 kept, bf16 on the AMX tiles),
+# median decode step, one-call against layer by layer, two alternating processes each: 72 rows
+# 66-72 against 77-89 ms, 96 rows 76-98 against 83-113, 128 rows 119-133 against 102-115.
+PORTABLE_MAX_ROWS = 96
 # ...and, on vdpbf16ps without AMX, the row kernel's batched blocks (gemv_bf16.c) up to this many
 # rows: every output the same bits in any batch, and a decode step of up to MAX_ROWS in one call
 BF16_DOT_MAX_ROWS = MAX_ROWS
