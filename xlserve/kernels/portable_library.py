@@ -30,7 +30,7 @@ class ISA(enum.Enum):
     """An instruction set the kernels are built for, best first. AVX512_VNNI (Intel Ice Lake and
     later, AMD Zen 4 and later) adds the 8-bit activations' vpdpbusd path (``dot_q8.c``);
     AVX512 alone is Skylake-X's. AMX (Intel Sapphire Rapids and later) adds the tile kernel
-    of Q4_0 / Q4_1 weights against bfloat16 activations (``gemm_amx_quant.c``)."""
+    of Q4_0 / Q4_1 / Q8_0 weights against bfloat16 activations (``gemm_amx_quant.c``)."""
     AMX = "amx"
     AVX512_VNNI = "avx512-vnni"
     AVX512 = "avx512"

@@ -45,8 +45,8 @@ static inline float quantize_block32(const float* x, __m512i* q0, __m512i* q1, i
 #endif
 
 /* xlserve's own block types, never in a file: Q4_0, Q4_1 and Q8_0 interleaved 16 rows at a
- * time for the 8-bit kernel (dot_q8_x16.c), and Q4_0 and Q4_1 for the bfloat16 one on AMX
- * tiles (gemm_amx_quant.c), X16 | the format's type */
+ * time for the 8-bit kernel (dot_q8_x16.c) or the bfloat16 one on AMX tiles
+ * (gemm_amx_quant.c), X16 | the format's type */
 enum { X16 = 256 };
 
 int xl_q8_handles(int type);
