@@ -130,6 +130,27 @@ def test_interleaving_16_rows_keeps_the_size_and_is_undone_exactly(qtype):
         gguf_blocks.interleave16(qtype, data[:40])
 
 
+@pytest.mark.parametrize("qtype", list(INTERLEAVABLE))
+def test_rows_of_an_interleaved_weight_are_looked_up_by_torch_as_by_the_kernel(qtype):
+    """An embedding lookup with the kernels off (or no compiler) on a weight interleaved 16 rows
+    at a time (a tied Q8_0 embedding on the tiles, or with 8-bit activations): the groups
+    holding the rows are dequantized whole, so each row is the file's row."""
+    from xlserve.kernels import cpu_ops
+    from xlserve.layers.quantized import Part, QuantizedWeight
+    data = random_rows(qtype, 48, 64, seed=5)
+    weight = QuantizedWeight((48, 64), [Part(0, INTERLEAVABLE[qtype], gguf_blocks.interleave16(qtype, data))])
+    ids = torch.tensor([[47, 0, 17], [16, 3, 47]])
+    expected = reference(qtype, data, 64)[ids]
+    cpu_ops.set_enabled(False)
+    try:
+        by_torch = weight.embedding(ids)
+    finally:
+        cpu_ops.set_enabled(True)
+    assert torch.equal(by_torch, expected)
+    if portable_library.kernels() is not None:
+        assert torch.equal(weight.embedding(ids), expected)
+
+
 @pytest.mark.skipif(not X16_BUILDS, reason="no AVX512-VNNI: no kernel for interleaved rows (the row-major 8-bit "
                                            "kernel's tests above run)")
 @pytest.mark.parametrize("qtype", sorted(INTERLEAVABLE))

@@ -38,6 +38,15 @@ class Part:
     def dense(self, k: int) -> torch.Tensor:
         return self.data.float() if self.qtype is None else gguf_blocks.dequantize(self.qtype, self.data, k)
 
+    def dense_rows(self, local: torch.Tensor, k: int) -> torch.Tensor:
+        """Rows ``local`` of this part dequantized by torch: [len(local), K]. Interleaved data
+        (``X16``) holds 16 rows per group, so the groups holding them are taken whole."""
+        if self.qtype is None or not self.qtype & gguf_blocks.X16:
+            return Part(0, self.qtype, self.data[local]).dense(k)
+        groups, inverse = torch.unique(local // 16, return_inverse=True)
+        held = self.data.view(-1, 16, self.data.shape[1])[groups].reshape(-1, self.data.shape[1])
+        return Part(0, self.qtype, held).dense(k).view(-1, 16, k)[inverse, local % 16]
+
 
 class QuantizedWeight:
     """A [N, K] weight as parts covering its rows (filled by ``place`` while loading)."""
@@ -144,7 +153,7 @@ class QuantizedWeight:
             if lib is not None and p.qtype is not None:
                 out[inside] = quant_ops.dequantize_rows(lib, p.qtype, p.data, local, k)
             else:
-                out[inside] = Part(0, p.qtype, p.data[local]).dense(k)
+                out[inside] = p.dense_rows(local, k)
         return out.reshape(*ids.shape, k)
 
 
