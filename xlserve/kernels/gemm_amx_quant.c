@@ -86,14 +86,15 @@ static const short PAIRED[32] = {0,  4,  1,  5,  2,  6,  3,  7,  8,  12, 9,  13,
                                  16, 20, 17, 21, 18, 22, 19, 23, 24, 28, 25, 29, 26, 30, 27, 31};
 
 /* Row ``x`` as ``blocks`` rows of an A tile (16 pairs of bfloat16, round to nearest even; Q8_0:
- * pair p holds values 2p and 2p + 1, Q4: PAIRED) and each block's sum of those bfloat16 values
- * (fp32, a fixed order). */
+ * pair p holds values 2p and 2p + 1, Q4: PAIRED) and (Q4) each block's sum of those bfloat16
+ * values (fp32, a fixed order). */
 static void pair_row(int base, const float* x, int64_t blocks, uint32_t* pairs, float* sums) {
   const __m512i order = _mm512_loadu_si512(PAIRED);
   for (int64_t b = 0; b < blocks; ++b) {
     const __m512 lo = _mm512_loadu_ps(x + 32 * b), hi = _mm512_loadu_ps(x + 32 * b + 16);
     const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(hi, lo); /* words 0-15: lo, 16-31: hi */
     _mm512_storeu_si512(pairs + 16 * b, base == Q8_0 ? v : _mm512_permutexvar_epi16(order, v));
+    if (base == Q8_0) continue; /* its blocks have no m: scale_sums ignores the sum */
     const __m512i wide_lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(v));
     const __m512i wide_hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1));
     sums[b] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(wide_lo, 16)),

@@ -225,16 +225,16 @@ def set_activation_bits(model: torch.nn.Module, eight_bit: bool, dtype: torch.dt
     if lib is None:
         return
     if eight_bit and lib.xl_x16_ready():
-        interleave16(layer_weights(model), gguf_blocks.INTERLEAVABLE)
+        interleave16(layer_weights(model))
     elif not eight_bit and dtype == torch.bfloat16 and lib.xl_amx_quant_ready():
         # K a multiple of 64: the tile kernel takes blocks in pairs
-        parts = interleave16(layer_weights(model), gguf_blocks.INTERLEAVABLE, k_multiple=64)
+        parts = interleave16(layer_weights(model), k_multiple=64)
         log.info("%d Q4_0 / Q4_1 / Q8_0 weight parts on the AMX tile kernel (bfloat16 activations)", parts)
 
 
-def interleave16(weights: list[QuantizedWeight], types: dict, k_multiple: int = 32) -> int:
-    """Their parts of ``types`` (a format: its interleaved type) of whole 16-row groups and a
-    width of ``k_multiple``, on the CPU, in the interleaved layout of the 8-bit VNNI and the
+def interleave16(weights: list[QuantizedWeight], k_multiple: int = 32) -> int:
+    """Their Q4_0, Q4_1 and Q8_0 parts (``gguf_blocks.INTERLEAVABLE``) of whole 16-row groups
+    and a width of ``k_multiple``, on the CPU, in the interleaved layout of the 8-bit VNNI and the
     AMX kernels (``gguf_blocks.interleave16``): the same bytes. Data that
     several weights hold (a tied embedding and head) is interleaved once and stays shared;
     each part's old bytes are freed as soon as no weight holds them, so loading peaks at one
@@ -242,7 +242,7 @@ def interleave16(weights: list[QuantizedWeight], types: dict, k_multiple: int = 
     holders: dict[tuple[int, torch.Size], list[tuple[QuantizedWeight, int]]] = {}
     for weight in {id(w): w for w in weights}.values():
         for i, p in enumerate(weight.parts):
-            if (p.qtype in types and p.rows % 16 == 0 and weight.shape[1] % k_multiple == 0
+            if (p.qtype in gguf_blocks.INTERLEAVABLE and p.rows % 16 == 0 and weight.shape[1] % k_multiple == 0
                     and p.data.device.type == "cpu"):
                 holders.setdefault((p.data.data_ptr(), p.data.shape), []).append((weight, i))
     for users in holders.values():
@@ -250,7 +250,7 @@ def interleave16(weights: list[QuantizedWeight], types: dict, k_multiple: int = 
         packed = gguf_blocks.interleave16(first.qtype, first.data)
         for weight, i in users:
             part = weight.parts[i]
-            weight.parts[i] = Part(part.start, types[part.qtype], packed)
+            weight.parts[i] = Part(part.start, gguf_blocks.INTERLEAVABLE[part.qtype], packed)
             weight._kernel_calls = []
     return sum(len(users) for users in holders.values())
 
