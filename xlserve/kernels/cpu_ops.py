@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from xlserve.kernels.cpu_isa import cpu_flags
+
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(n) for n in ("gemv_bf16.c", "gemm_amx.c", "decode_ops.c", "decode_attention.c",
                                                  "decode_layer.c")]
@@ -107,17 +109,6 @@ def _cache_dir() -> Path:
     return private
 
 
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def _cflag_sets() -> list[list[str]]:
     """Flags to try in order: with every instruction set this CPU has, then without AMX
     (a compiler older than the CPU may not know it; the AMX kernel then reports itself
@@ -135,7 +126,7 @@ def c_compiler() -> str | None:
 
 
 def _build() -> ctypes.CDLL | None:
-    if "AVX512" not in torch.backends.cpu.get_cpu_capability():
+    if "AVX512" not in torch.backends.cpu.get_cpu_capability() or "avx512f" not in cpu_flags():
         return None
     compiler = c_compiler()
     if compiler is None:

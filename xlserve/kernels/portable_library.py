@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from xlserve.kernels import cpu_ops
+from xlserve.kernels import cpu_isa, cpu_ops
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(n) for n in ("gemm_quant.c", "dot_q8.c", "dot_q8_x16.c", "gemm_amx_quant.c",
@@ -73,7 +73,7 @@ SIGNATURES = {
 
 def available_isas() -> list[ISA]:
     """The builds this CPU can run, best first."""
-    have = cpu_ops.cpu_flags()
+    have = cpu_isa.cpu_flags()
     return [isa for isa in ISA if isa.cpu_flags <= have]
 
 

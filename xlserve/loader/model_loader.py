@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from xlserve.config import ModelConfig
 from xlserve.kernels import invariant_linear, portable_library
-from xlserve.kernels.cpu_ops import cpu_flags as _cpu_flags
+from xlserve.kernels.cpu_isa import cpu_flags as _cpu_flags
 from xlserve.layers.quantized import describe as describe_quantized
 from xlserve.layers.quantized import set_activation_bits
 from xlserve.loader.gguf_file import GGUFFile
