@@ -1,6 +1,8 @@
-"""Q4_0, Q4_1 and Q8_0 weights against bfloat16 activations on AMX tiles (``gemm_amx_quant.c``):
-a bfloat16 model kept in those formats takes it on CPUs with AMX. Without AMX these skip; the
-fp32-activation kernel that runs there instead has its own tests (test_quantized_weights.py)."""
+"""Q4_0, Q4_1 and Q8_0 weights against bfloat16 activations on AMX tiles (``gemm_amx_quant.c``)
+and, on CPUs without AMX, their twin in FMAs (``gemm_tile_order.c``): a bfloat16 model kept in
+those formats takes one or the other on every AVX-512 CPU with AVX512BW (each build this CPU
+runs is tested; ``test_tile_order.py`` holds the twin to the tiles' bits). Where neither
+builds, the fp32-activation kernel runs instead (test_quantized_weights.py)."""
 
 import numpy as np
 import pytest
@@ -11,8 +13,9 @@ from xlserve.kernels import gguf_blocks, portable_library, quant_ops
 from xlserve.kernels.gguf_blocks import INTERLEAVABLE, LAYOUTS, BlockType
 
 LIB = portable_library.kernels()
-pytestmark = pytest.mark.skipif(LIB is None or not LIB.xl_amx_quant_ready(),
-                                reason="no AMX: these formats take the fp32-activation kernel here")
+TILE_BUILDS = [isa for isa in portable_library.available_isas()
+               if portable_library.library(isa) is not None and portable_library.library(isa).xl_tile_order_ready()]
+pytestmark = pytest.mark.skipif(not TILE_BUILDS, reason="no AVX-512 build with AVX512BW: the fp32-activation kernel")
 
 
 def scale_sizes(qtype: BlockType, data: torch.Tensor) -> torch.Tensor:
@@ -28,11 +31,13 @@ def scale_sizes(qtype: BlockType, data: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.repeat(32 * d + m, 32, axis=-1))
 
 
+@pytest.mark.parametrize("isa", TILE_BUILDS, ids=lambda isa: isa.value)
 @pytest.mark.parametrize("qtype", [BlockType.Q4_0, BlockType.Q4_1, BlockType.Q8_0])
-def test_tile_kernel_multiplies_bf16_rows_within_fp32_rounding_and_alone_as_batched(qtype):
+def test_tile_kernel_multiplies_bf16_rows_within_fp32_rounding_and_alone_as_batched(qtype, isa):
     """1 to 70 rows (one tile of rows, several, a last one part-filled): within fp32 rounding of
     the bfloat16 rows' exact product with the dequantized weights; a row the same bits alone,
-    batched and on one thread or two."""
+    batched and on one thread or two. The AMX build on the tiles, the others on the twin."""
+    lib = portable_library.library(isa)
     n, k = 48, 1536
     data = random_rows(qtype, n, k, seed=int(qtype))
     ref = reference(qtype, data, k).double()
@@ -43,7 +48,7 @@ def test_tile_kernel_multiplies_bf16_rows_within_fp32_rounding_and_alone_as_batc
     alone = None
     for m in (1, 2, 5, 16, 17, 40, 70):
         out = torch.full((m, n + 3), float("nan"))
-        quant_ops.linear(LIB, INTERLEAVABLE[qtype], x[:m], packed, out, 2, False)
+        quant_ops.linear(lib, INTERLEAVABLE[qtype], x[:m], packed, out, 2, False)
         assert torch.isnan(out[:, :2]).all() and torch.isnan(out[:, -1]).all()  # only its columns written
         got = out[:, 2:2 + n]
         assert ((got.double() - expected[:m]).abs() <= bound[:m]).all()
@@ -53,17 +58,18 @@ def test_tile_kernel_multiplies_bf16_rows_within_fp32_rounding_and_alone_as_batc
     try:
         torch.set_num_threads(1)
         one_thread = torch.empty(40, n)
-        quant_ops.linear(LIB, INTERLEAVABLE[qtype], x[:40], packed, one_thread, 0, False)
+        quant_ops.linear(lib, INTERLEAVABLE[qtype], x[:40], packed, one_thread, 0, False)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one_thread, out[:40, 2:2 + n])
 
 
+@pytest.mark.skipif(LIB is None or not LIB.xl_tile_order_ready(), reason="this CPU's build has no tile kernel")
 def test_a_bf16_model_kept_in_these_formats_takes_the_tiles_and_is_batch_invariant(mixed_gguf):  # noqa: F811
     """The mixed file's Q4_0 / Q4_1 / Q8_0 parts (its gate and up projections, its v projection,
-    its tied embedding and head) interleaved for the tiles as a bfloat16 model loads, the tied
-    ones still one copy; its output the same bits alone, batched, chunked and after a prefix
-    hit."""
+    its tied embedding and head) interleaved for the tiles (or their twin) as a bfloat16 model
+    loads, the tied ones still one copy; its output the same bits alone, batched, chunked and
+    after a prefix hit."""
     from xlserve import LLM, SamplingParams
     path, _ = mixed_gguf
     kept = LLM(path, dtype="bfloat16", kv_cache_tokens=1024)

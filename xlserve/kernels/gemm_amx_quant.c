@@ -55,6 +55,7 @@
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 #include "amx_tiles.h"
+#include "tile_blocks.h"
 
 /* 1 when the process may use AMX tiles (asks the kernel on first call). */
 int xl_amx_quant_ready(void) { return amx_permitted(); }
@@ -80,38 +81,11 @@ static void configure(int rows) {
   load_tiles(6, per_tile);
 }
 
-/* word i of a block's pairs is value PAIRED[i]: pair 4j + t holds values 8j + t and 8j + 4 + t,
- * the two nibbles of byte t of register j */
-static const short PAIRED[32] = {0,  4,  1,  5,  2,  6,  3,  7,  8,  12, 9,  13, 10, 14, 11, 15,
-                                 16, 20, 17, 21, 18, 22, 19, 23, 24, 28, 25, 29, 26, 30, 27, 31};
-
-/* Row ``x`` as ``blocks`` rows of an A tile (16 pairs of bfloat16, round to nearest even; Q8_0:
- * pair p holds values 2p and 2p + 1, Q4: PAIRED) and (Q4) each block's sum of those bfloat16
- * values (fp32, a fixed order). */
-static void pair_row(int base, const float* x, int64_t blocks, uint32_t* pairs, float* sums) {
-  const __m512i order = _mm512_loadu_si512(PAIRED);
-  for (int64_t b = 0; b < blocks; ++b) {
-    const __m512 lo = _mm512_loadu_ps(x + 32 * b), hi = _mm512_loadu_ps(x + 32 * b + 16);
-    const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(hi, lo); /* words 0-15: lo, 16-31: hi */
-    _mm512_storeu_si512(pairs + 16 * b, base == Q8_0 ? v : _mm512_permutexvar_epi16(order, v));
-    if (base == Q8_0) continue; /* its blocks have no m: scale_sums ignores the sum */
-    const __m512i wide_lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(v));
-    const __m512i wide_hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1));
-    sums[b] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(wide_lo, 16)),
-                                                 _mm512_castsi512_ps(_mm512_slli_epi32(wide_hi, 16))));
-  }
-}
-
 /* vpmultishiftqb's control for pair t: each dword's byte 0 takes the 8 bits from 3 below its
  * byte t's low nibble (the nibble lands at bits 3-6), byte 2 from 3 below the high nibble. */
 static inline __m512i pair_control(int t) {
   const uint64_t dword = (uint64_t)((8 * t - 3) & 63) | (uint64_t)(8 * t + 1) << 16;
   return _mm512_set1_epi64((long long)(dword | (dword + (32 | 32 << 16)) << 32));
-}
-
-/* Q8_0: byte t of each lane of register v (value 4j + t of row r's block) as fp32, exact. */
-static inline __m512 q8_values(__m512i v, int t) {
-  return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * t), 24));
 }
 
 /* Q8_0's block of a 16-row group as a B tile: row k, lane r = row r's values 2k and 2k + 1 as
@@ -140,19 +114,6 @@ static inline void block_tile(int base, const uint8_t* g, uint32_t* tile) {
   }
 }
 
-/* The block's 16 d times 16 and m - 16 d (Q4_0: m = -8 d); Q8_0: d alone. */
-static inline void block_scales(int base, const uint8_t* g, __m512* d16, __m512* c) {
-  if (base == Q8_0) {
-    *d16 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + 512)));
-    *c = _mm512_setzero_ps();
-    return;
-  }
-  *d16 = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + 256))), _mm512_set1_ps(16.0f));
-  const __m512 m = base == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + 288)))
-                                : _mm512_mul_ps(*d16, _mm512_set1_ps(-0.5f));
-  *c = _mm512_sub_ps(m, *d16);
-}
-
 /* A group's blocks b and b + 1 against ``rows`` activation rows (pairs ``a``, sums ``s``, rows
  * ``blocks`` apart): the tile products into ``cb`` (two [rows, 16] sums), B tiles from ``bt``. */
 static inline void block_pair(const uint32_t* a, int64_t blocks, int64_t b, const uint32_t* bt, float* cb) {
@@ -166,13 +127,6 @@ static inline void block_pair(const uint32_t* a, int64_t blocks, int64_t b, cons
   _tile_dpbf16ps(TILE_C1, TILE_A1, TILE_B1);
   _tile_stored(TILE_C0, cb, 64);
   _tile_stored(TILE_C1, cb + 256, 64);
-}
-
-/* Row i's sum: block after block, acc = fma(16 d, its tile sums, acc) then (Q4) fma(m - 16 d,
- * its sum of x, acc); the same operations in the same order for every row count. */
-static inline __m512 scale_sums(int base, __m512 acc, __m512 d16, __m512 c, __m512 sums, float s) {
-  acc = _mm512_fmadd_ps(d16, sums, acc);
-  return base == Q8_0 ? acc : _mm512_fmadd_ps(c, _mm512_set1_ps(s), acc);
 }
 
 /* One group of 16 weight rows (``blocks`` even) against ``rows`` <= 16 activation rows: their

@@ -385,13 +385,14 @@ static void regs_tile(int type, const uint8_t* w, int64_t row_bytes, int bytes, 
 /* x: [M, K] fp32; w: [N, row_bytes] blocks of ``type``; out: [M, ldo] fp32, columns 0..N-1
  * written (ldo > N writes one part of a wider output). K is a multiple of the block.
  * ``eight_bit``: Q4_0 / Q4_1 / Q8_0 multiply 8-bit activations (dot_q8.c), as llama.cpp does;
- * their interleaved forms (X16 | type) take dot_q8_x16.c then, and gemm_amx_quant.c (bfloat16
- * activations) without it. */
+ * their interleaved forms (X16 | type) take dot_q8_x16.c then, and without it gemm_amx_quant.c
+ * (bfloat16 activations on AMX tiles) or, on a CPU without AMX, its twin gemm_tile_order.c. */
 void xl_linear_quant(int type, const float* x, const uint8_t* w, int64_t row_bytes, float* out, int64_t M,
                      int64_t N, int64_t K, int64_t ldo, int eight_bit, int threads) {
-  if (type & X16) { /* the layout exists for the 8-bit kernel and, asked for fp32 activations, the AMX one */
+  if (type & X16) { /* the layout exists for the 8-bit kernel and, asked for fp32 activations, the tile one */
     if (eight_bit) xl_linear_x16(type & ~X16, x, w, out, M, N, K, ldo, threads);
-    else xl_linear_amx_quant(type & ~X16, x, w, out, M, N, K, ldo, threads);
+    else if (xl_amx_quant_ready()) xl_linear_amx_quant(type & ~X16, x, w, out, M, N, K, ldo, threads);
+    else xl_linear_tile_order(type & ~X16, x, w, out, M, N, K, ldo, threads);
     return;
   }
   if (eight_bit && xl_q8_handles(type)) {

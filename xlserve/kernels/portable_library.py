@@ -1,5 +1,5 @@
 """The kernels built per instruction set (``gemm_quant.c``, ``dot_q8.c``, ``dot_q8_x16.c``,
-``gemm_amx_quant.c``, ``attention_paged.c``, ``decode_step.c``) on first use and called through
+``gemm_amx_quant.c``, ``gemm_tile_order.c``, ``attention_paged.c``, ``decode_step.c``) on first use and called through
 ctypes (which releases the GIL).
 
 Four builds of the same sources: AMX, AVX-512 with VNNI or without it where the CPU has them,
@@ -22,7 +22,7 @@ from xlserve.kernels import cpu_isa, cpu_ops
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(n) for n in ("gemm_quant.c", "dot_q8.c", "dot_q8_x16.c", "gemm_amx_quant.c",
-                                                  "attention_paged.c", "decode_step.c")]
+                                                  "gemm_tile_order.c", "attention_paged.c", "decode_step.c")]
 COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]  # exact dequantization: no fused mul-add
 
 
@@ -68,6 +68,7 @@ SIGNATURES = {
     "xl_decode_step_layer_fields": ([], I64),
     "xl_x16_ready": ([], I32),
     "xl_amx_quant_ready": ([], I32),
+    "xl_tile_order_ready": ([], I32),
 }
 
 

@@ -45,8 +45,8 @@ static inline float quantize_block32(const float* x, __m512i* q0, __m512i* q1, i
 #endif
 
 /* xlserve's own block types, never in a file: Q4_0, Q4_1 and Q8_0 interleaved 16 rows at a
- * time for the 8-bit kernel (dot_q8_x16.c) or the bfloat16 one on AMX tiles
- * (gemm_amx_quant.c), X16 | the format's type */
+ * time for the 8-bit kernel (dot_q8_x16.c) or the bfloat16 one (on AMX tiles, gemm_amx_quant.c;
+ * elsewhere its twin in FMAs, gemm_tile_order.c), X16 | the format's type */
 enum { X16 = 256 };
 
 int xl_q8_handles(int type);
@@ -56,6 +56,9 @@ void xl_linear_x16(int base, const float* x, const uint8_t* w, float* out, int64
 int xl_amx_quant_ready(void);
 void xl_linear_amx_quant(int base, const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K,
                          int64_t ldo, int threads);
+int xl_tile_order_ready(void);
+void xl_linear_tile_order(int base, const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K,
+                          int64_t ldo, int threads);
 void x16_row(int base, const uint8_t* w, int64_t blocks, int64_t n, uint8_t* row);
 void xl_linear_q8(int type, const float* x, const uint8_t* w, int64_t row_bytes, float* out, int64_t M, int64_t N,
                   int64_t K, int64_t ldo, int threads);

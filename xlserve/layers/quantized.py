@@ -216,9 +216,10 @@ def set_activation_bits(model: torch.nn.Module, eight_bit: bool, dtype: torch.dt
     With 8-bit activations on a CPU with AVX512-VNNI, the layers' weights (not the experts',
     which are views of one stacked tensor) are interleaved 16 rows at a time for the kernel
     that multiplies 16 rows at once (``dot_q8_x16.c``), as llama.cpp repacks them. Without, a
-    model that computes in bfloat16 on a CPU with AMX interleaves its Q4_0, Q4_1 and Q8_0
-    weights the same way for the tile kernel (``gemm_amx_quant.c``), whose activations are the
-    model's bfloat16 values."""
+    model that computes in bfloat16 interleaves its Q4_0, Q4_1 and Q8_0 weights the same way
+    for the tile kernel (``gemm_amx_quant.c`` on a CPU with AMX; elsewhere on AVX-512 its twin
+    in FMAs, ``gemm_tile_order.c``, with the same bits), whose activations are the model's
+    bfloat16 values."""
     lib = portable_library.kernels()
     for weight in kept_weights(model):
         weight.eight_bit_activations = eight_bit
@@ -226,10 +227,11 @@ def set_activation_bits(model: torch.nn.Module, eight_bit: bool, dtype: torch.dt
         return
     if eight_bit and lib.xl_x16_ready():
         interleave16(layer_weights(model))
-    elif not eight_bit and dtype == torch.bfloat16 and lib.xl_amx_quant_ready():
+    elif not eight_bit and dtype == torch.bfloat16 and lib.xl_tile_order_ready():
         # K a multiple of 64: the tile kernel takes blocks in pairs
         parts = interleave16(layer_weights(model), k_multiple=64)
-        log.info("%d Q4_0 / Q4_1 / Q8_0 weight parts on the AMX tile kernel (bfloat16 activations)", parts)
+        where = "the AMX tiles" if lib.xl_amx_quant_ready() else "their twin in FMAs (the same bits)"
+        log.info("%d Q4_0 / Q4_1 / Q8_0 weight parts on %s, bfloat16 activations", parts, where)
 
 
 def interleave16(weights: list[QuantizedWeight], k_multiple: int = 32) -> int:
