@@ -1,6 +1,6 @@
 """The kernels built per instruction set (``gemm_quant.c``, ``dot_q8.c``, ``dot_q8_x16.c``,
-``gemm_amx_quant.c``, ``gemm_tile_order.c``, ``attention_paged.c``, ``decode_step.c``) on first use and called through
-ctypes (which releases the GIL).
+``gemm_amx_quant.c``, ``gemm_tile_order.c``, ``attention_paged.c``, ``decode_step.c``) on first
+use and called through ctypes (which releases the GIL).
 
 Four builds of the same sources: AMX, AVX-512 with VNNI or without it where the CPU has them,
 AVX2 + FMA + F16C elsewhere (every x86-64 CPU since 2013), so AMD and Intel CPUs alike run
@@ -28,9 +28,10 @@ COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]  # e
 
 class ISA(enum.Enum):
     """An instruction set the kernels are built for, best first. AVX512_VNNI (Intel Ice Lake and
-    later, AMD Zen 4 and later) adds the 8-bit activations' vpdpbusd path (``dot_q8.c``);
-    AVX512 alone is Skylake-X's. AMX (Intel Sapphire Rapids and later) adds the tile kernel
-    of Q4_0 / Q4_1 / Q8_0 weights against bfloat16 activations (``gemm_amx_quant.c``)."""
+    later, AMD Zen 4 and later) adds the 8-bit activations' vpdpbusd path (``dot_q8.c``) and
+    the tile kernel's twin in FMAs (``gemm_tile_order.c``); AVX512 alone is Skylake-X's. AMX
+    (Intel Sapphire Rapids and later) adds the tile kernel of Q4_0 / Q4_1 / Q8_0 weights
+    against bfloat16 activations (``gemm_amx_quant.c``), the same bits as the twin."""
     AMX = "amx"
     AVX512_VNNI = "avx512-vnni"
     AVX512 = "avx512"
