@@ -1,6 +1,7 @@
 """``XLSERVE_MAX_CPU_ISA``: a CPU capped at a level shows only that level's flags, so the kernel
 builds and the default dtype are an older CPU's; a wrong value is a clear error."""
 
+import json
 import subprocess
 import sys
 
@@ -25,6 +26,19 @@ def test_a_cap_keeps_the_flags_of_its_level(cap, kept, monkeypatch):
     monkeypatch.setattr(cpu_isa, "_cpuinfo_flags", lambda: frozenset(SAPPHIRE_RAPIDS))
     monkeypatch.setenv(cpu_isa.MAX_CPU_ISA_ENV, cap.label)
     assert cpu_isa.cpu_flags() == kept
+
+
+def test_a_benchmark_records_the_cap_it_ran_under(monkeypatch, tmp_path):
+    from xlserve.bench.cli import write_results
+    monkeypatch.setattr(cpu_isa, "_cpuinfo_flags", lambda: frozenset(SAPPHIRE_RAPIDS))
+    monkeypatch.setenv(cpu_isa.MAX_CPU_ISA_ENV, "avx512-bf16")
+    write_results(str(tmp_path / "run.json"), {"figure": 1.5})
+    written = json.loads((tmp_path / "run.json").read_text())
+    assert written["figure"] == 1.5
+    assert {k: written["machine"][k] for k in ("max_cpu_isa", "isa")} == {"max_cpu_isa": "avx512-bf16",
+                                                                           "isa": "avx512-bf16"}
+    monkeypatch.delenv(cpu_isa.MAX_CPU_ISA_ENV)
+    assert cpu_isa.machine()["max_cpu_isa"] is None and cpu_isa.machine()["isa"] == "amx"
 
 
 def test_unset_keeps_every_flag_and_a_wrong_value_names_the_choices(monkeypatch):

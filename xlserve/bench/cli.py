@@ -5,6 +5,14 @@ from __future__ import annotations
 import json
 
 from xlserve.bench.trace_replay import DEFAULT_TRACE
+from xlserve.kernels import cpu_isa
+
+
+def write_results(path: str, results: dict) -> None:
+    """The run's figures as JSON, with the machine they were measured on (``cpu_isa.machine``:
+    a run capped by XLSERVE_MAX_CPU_ISA says so)."""
+    with open(path, "w") as f:
+        json.dump({**results, "machine": cpu_isa.machine()}, f, indent=2)
 
 
 def add_bench_parser(sub) -> None:
@@ -118,8 +126,7 @@ def add_bench_parser(sub) -> None:
 def cmd_bench_quantized(args) -> int:
     from xlserve.bench.quant_bench import run_quantized_bench, table
     results = run_quantized_bench(args.model, args.threads, args.repeats)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
+    write_results(args.out, results)
     print(table(results))
     for setup, why in results.get("skipped", {}).items():
         print(f"skipped {setup}: {why}")
@@ -135,8 +142,7 @@ def cmd_bench_engine(args) -> int:
                         rounds=args.rounds, prepack=args.prepack_weights, cuda_graphs=not args.no_cuda_graphs)
     results = run_bench(opts)
     results["goals"] = engine_goals(results) if "xlserve" in results["systems"] else []
-    with open(opts.out, "w") as f:
-        json.dump(results, f, indent=2)
+    write_results(opts.out, results)
     print(engine_table(results))
     print()
     print(f"weight file read: {results['weight_file_read_s']:.2f} s ({results['weights']})")
@@ -192,8 +198,7 @@ def cmd_bench_serve(args) -> int:
         only = tuple(part.strip() for part in args.setups.split(",") if part.strip())
         rows = run_compare(EngineConfig(), workloads, total, peers=not args.no_peers, only=only,
                            repeats=args.repeats)
-    with open(args.out, "w") as f:
-        json.dump({"agentic": agentic, "trace_scale": scale, "results": rows}, f, indent=2)
+    write_results(args.out, {"agentic": agentic, "trace_scale": scale, "results": rows})
     print(serve_table(rows))
     for line in serve_ratios(rows):
         print(line)
@@ -209,9 +214,9 @@ def _bench_tiers(args, workload, total: int, scale: dict | None) -> int:
         raise ValueError("--tiers replays the trace: give --trace-requests > 0")
     rows = run_tier_compare(workload, total, args.kv_cache_tokens, args.kv_host_gib, args.repeats)
     summary = summarize_runs(rows)
-    with open(args.out, "w") as f:
-        json.dump({"trace_scale": scale, "kv_cache_tokens": args.kv_cache_tokens, "kv_host_gib": args.kv_host_gib,
-                   "repeats": args.repeats, "summary": summary, "results": rows}, f, indent=2)
+    write_results(args.out, {"trace_scale": scale, "kv_cache_tokens": args.kv_cache_tokens,
+                             "kv_host_gib": args.kv_host_gib, "repeats": args.repeats, "summary": summary,
+                             "results": rows})
     print(tier_table(summary))
     for line in tier_goals(summary):
         print(line)
@@ -234,8 +239,7 @@ def cmd_bench_spec(args) -> int:
     results = run_spec_bench(SpecBenchOptions(model=args.model, methods=methods, repeats=args.repeats,
                                               max_tokens=args.max_tokens, dtype=args.dtype,
                                               int8_activations=args.int8_activations))
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
+    write_results(args.out, results)
     if args.png:
         spec_plot(results, args.png)
     print(spec_table(results))
@@ -247,7 +251,6 @@ def cmd_bench_parallel(args) -> int:
     opts = ParallelBenchOptions(model=args.model, moe=args.moe, layouts=tuple(args.layouts.split(",")),
                                 repeats=args.repeats, dtype=args.dtype, workdir=args.workdir)
     results = run_parallel_bench(opts)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
+    write_results(args.out, results)
     print(parallel_table(results))
     return 0

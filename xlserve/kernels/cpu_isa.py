@@ -60,15 +60,20 @@ def max_isa() -> CpuIsa:
 
 
 @functools.cache
-def _cpuinfo_flags() -> frozenset[str]:
+def _cpuinfo(field: str) -> str:
+    """The first value of ``field`` in /proc/cpuinfo ('' where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                if line.split(":", 1)[0].strip() == field:
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return frozenset()
+    return ""
+
+
+def _cpuinfo_flags() -> frozenset[str]:
+    return frozenset(_cpuinfo("flags").split())
 
 
 def cpu_flags() -> set[str]:
@@ -83,3 +88,11 @@ def cpu_flags() -> set[str]:
 @functools.cache
 def _log_cap(cap: CpuIsa, dropped: frozenset[str]) -> None:
     log.info("%s=%s: the kernels do without %s", MAX_CPU_ISA_ENV, cap.label, " ".join(sorted(dropped)))
+
+
+def machine() -> dict:
+    """Where a benchmark ran: the CPU's model name, its logical CPUs, the cap in force (None when
+    unset) and the highest level this process uses."""
+    return {"cpu": _cpuinfo("model name"), "logical_cpus": os.cpu_count(),
+            "max_cpu_isa": os.environ.get(MAX_CPU_ISA_ENV) or None,
+            "isa": max(map(flag_level, cpu_flags()), default=CpuIsa.AVX2).label}
