@@ -14,7 +14,12 @@
  * that, never seen in a model's activations).
  *
  * A pass holds up to ROWS_MAX activation rows against one group: each pair's weights are made
- * once (two shifts and two vpternlogd for Q4's 16 rows) and feed two FMAs a row.
+ * once (two shifts and two vpternlogd for Q4's 16 rows) and feed two FMAs a row. Against the
+ * fp32 kernel (gemm_quant.c) it replaces there, 30 layers of the default model's Q4_1 shapes
+ * on the AMX Xeon capped at avx512-bf16, minimum of 7: 1 row 4.57 / 4.90 ms, 8 rows 10.4 /
+ * 11.9, 32 rows 34.1 / 30.5, 64 rows 66.1 / 55.3. Slower still: a group's weights made once
+ * into an fp32 buffer for every pass, and two groups a pass from such a buffer (16 rows 3.97
+ * against 2.75 ms on 4 layers: the buffer leaves L1).
  */
 #include <stdint.h>
 #include <stdlib.h>
