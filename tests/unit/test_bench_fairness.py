@@ -14,7 +14,8 @@ def test_llama_server_runs_as_many_slots_as_xlserve_runs_requests():
 def test_transformers_kv_bytes_are_the_most_tokens_it_held(tiny_model_dirs):
     system = TransformersSystem(tiny_model_dirs["llama"], threads=1, device="cpu")
     cfg = system.model.config
-    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * system.dtype.itemsize  # bf16 or fp32
     assert system.kv_token_bytes == per_token and system.kv_bytes() == 0
     system.prefill(list(range(3, 13)))
     assert system.kv_bytes() == 10 * per_token
