@@ -94,5 +94,5 @@ def machine() -> dict:
     """Where a benchmark ran: the CPU's model name, its logical CPUs, the cap in force (None when
     unset) and the highest level this process uses."""
     return {"cpu": _cpuinfo("model name"), "logical_cpus": os.cpu_count(),
-            "max_cpu_isa": os.environ.get(MAX_CPU_ISA_ENV) or None,
+            "max_cpu_isa": max_isa().label if os.environ.get(MAX_CPU_ISA_ENV, "").strip() else None,
             "isa": max(map(flag_level, cpu_flags()), default=CpuIsa.AVX2).label}
