@@ -73,7 +73,7 @@ static inline void q4_pair(__m512i v, int t, __m512* first, __m512* second) {
     for (int64_t b = 0; b < blocks; ++b) {                                                               \
       const uint8_t* p = g + b * gb;                                                                     \
       for (int o = 0; o < gb; o += 64) prefetch_ahead(p + o);                                            \
-      __m512 first[R], second[R], wf, ws;                                                                \
+      __m512 first[R], second[R];                                                                        \
       for (int i = 0; i < R; ++i) first[i] = second[i] = _mm512_setzero_ps();                           \
       const float* a = xp + b * 32 * ROWS_MAX;                                                           \
       KIND##_BLOCK(R)                                                                                    \
@@ -90,6 +90,7 @@ static inline void q4_pair(__m512i v, int t, __m512* first, __m512* second) {
 #define q4_BLOCK(R)                                                                                      \
   for (int j = 0; j < 4; ++j) {                                                                          \
     const __m512i v = _mm512_loadu_si512(p + 64 * j);                                                    \
+    __m512 wf, ws;                                                                                       \
     q4_pair(v, 0, &wf, &ws);                                                                             \
     PAIR_FMAS(R, a + (4 * j) * 2 * ROWS_MAX, wf, ws)                                                     \
     q4_pair(v, 1, &wf, &ws);                                                                             \
@@ -112,6 +113,11 @@ KINDS(1) KINDS(2) KINDS(3) KINDS(4) KINDS(5) KINDS(6) KINDS(7) KINDS(8)
 typedef void (*group_fn)(int, const uint8_t*, const float*, const float*, int64_t, float*, int64_t);
 static const group_fn Q4_GROUPS[ROWS_MAX + 1] = {NULL, q4_1, q4_2, q4_3, q4_4, q4_5, q4_6, q4_7, q4_8};
 static const group_fn Q8_GROUPS[ROWS_MAX + 1] = {NULL, q8_1, q8_2, q8_3, q8_4, q8_5, q8_6, q8_7, q8_8};
+
+/* The rows of pass q of M rows: ROWS_MAX, fewer in the last. */
+static inline int rows_in_pass(int64_t M, int64_t q) {
+  return M - q * ROWS_MAX < ROWS_MAX ? (int)(M - q * ROWS_MAX) : ROWS_MAX;
+}
 
 /* A pass of up to ROWS_MAX rows, each as ``pair_row`` makes it, laid out for the FMAs: pair p of
  * every row in one 64-byte line, [blocks * 16 pairs][ROWS_MAX rows][first, second] as fp32
@@ -150,15 +156,12 @@ void xl_linear_tile_order(int base, const float* x, const uint8_t* w, float* out
   {
 #pragma omp for schedule(static)
     for (int64_t q = 0; q < passes; ++q)
-      pass_pairs(base, x + q * ROWS_MAX * K, K, M - q * ROWS_MAX < ROWS_MAX ? (int)(M - q * ROWS_MAX) : ROWS_MAX,
-                 xp + q * pass_floats, s + q * ROWS_MAX * blocks);
+      pass_pairs(base, x + q * ROWS_MAX * K, K, rows_in_pass(M, q), xp + q * pass_floats, s + q * ROWS_MAX * blocks);
 #pragma omp for schedule(static)
     for (int64_t gi = 0; gi < groups; ++gi)
-      for (int64_t q = 0; q < passes; ++q) {
-        const int rows = M - q * ROWS_MAX < ROWS_MAX ? (int)(M - q * ROWS_MAX) : ROWS_MAX;
-        fns[rows](base, w + gi * group_bytes, xp + q * pass_floats, s + q * ROWS_MAX * blocks, blocks,
-                  out + q * ROWS_MAX * ldo + 16 * gi, ldo);
-      }
+      for (int64_t q = 0; q < passes; ++q)
+        fns[rows_in_pass(M, q)](base, w + gi * group_bytes, xp + q * pass_floats, s + q * ROWS_MAX * blocks, blocks,
+                             out + q * ROWS_MAX * ldo + 16 * gi, ldo);
   }
   free(xp);
   free(s);

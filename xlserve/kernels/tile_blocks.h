@@ -8,22 +8,23 @@
 #include <stdint.h>
 
 #include "quant_blocks.h"
+#include "vec_portable.h"
 
 /* word i of a block's pairs is value PAIRED[i]: pair 4j + t holds values 8j + t and 8j + 4 + t,
  * the two nibbles of byte t of register j */
 static const short PAIRED[32] = {0,  4,  1,  5,  2,  6,  3,  7,  8,  12, 9,  13, 10, 14, 11, 15,
                                  16, 20, 17, 21, 18, 22, 19, 23, 24, 28, 25, 29, 26, 30, 27, 31};
 
-/* fp32 to bfloat16 (each dword's low word) as vcvtneps2bf16 rounds: to nearest even, a denormal
- * input as a zero of its sign, a NaN quieted (matched bit for bit on 16 million values, a
- * quarter of them denormal). In integer instructions, so CPUs without AVX512-BF16 round alike. */
+/* fp32 to bfloat16 (each dword's low word) as vcvtneps2bf16 rounds: the row kernels' rounding to
+ * nearest even (vec_portable.h's round_bits_bf16), a denormal input first made a zero of its
+ * sign, a NaN quieted (matched bit for bit on 16 million values, a quarter of them denormal).
+ * In integer instructions, so CPUs without AVX512-BF16 round alike. */
 static inline __m512i bf16_round(__m512 x) {
   const __m512i bits = _mm512_castps_si512(x);
   const __mmask16 denormal = _mm512_testn_epi32_mask(bits, _mm512_set1_epi32(0x7F800000));
   const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
   const __m512i v = _mm512_mask_and_epi32(bits, denormal, bits, _mm512_set1_epi32((int)0x80000000));
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(v, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(v, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  const __m512i rounded = _mm512_srli_epi32(round_bits_bf16(_mm512_castsi512_ps(v)), 16);
   return _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(v, 16), _mm512_set1_epi32(0x40));
 }
 
