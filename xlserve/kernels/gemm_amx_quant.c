@@ -36,10 +36,12 @@
  * 11.8, 64 rows 8.38 / 22.6.
  * One row without the tiles, the tile product's arithmetic in vector FMAs (the twin,
  * gemm_tile_order.c, the same bits): kept for Q8_0 up to 3 rows (gemm_quant.c: tiles_take),
- * where making the B tiles costs the most; for Q4 at one row level with the pipelined tiles
- * below or slower. The same pipeline for the passes of more than 16 rows (group_tiles: each
- * tile of rows scaled after the next one's product is issued) was 3-12% slower at 17-32 rows
- * and 4-9% faster at 64-128 rows, not kept.
+ * where making its B tiles through fp32 costs the most; for Q4 level with the tiles or slower.
+ * Tried, not kept: the passes of up to 16 rows as a software pipeline over block pairs (the
+ * next pair's B tiles made and this pair's product issued before the pair before is scaled,
+ * from two buffers each, as tile registers are not renamed): 30 layers' Q4_1 shapes at 1-8
+ * rows 10-17% faster in the runs where the core was ours, 3-9% slower in the slow ones; the
+ * same for more than 16 rows 3-12% slower at 17-32 rows, 4-9% faster at 64-128.
  *
  * Batch invariance: a row's sums in a tile product depend on its own pairs and the block alone,
  * not on the tile's other rows or how many it has (tested alone against batched); the fp32
@@ -130,45 +132,26 @@ static inline void block_pair(const uint32_t* a, int64_t blocks, int64_t b, cons
   _tile_stored(TILE_C1, cb + 256, 64);
 }
 
-/* Blocks q and q + 1 of a group (``p``: block q) scaled into the rows' accumulators from their
- * tile sums ``sums`` (two [rows, 16], 256 floats apart). */
-static inline void scale_pair(int base, const uint8_t* p, int gb, const float* sums, const float* s, int64_t q,
-                              int64_t blocks, int rows, __m512* acc) {
-  __m512 d16[2], c[2];
-  block_scales(base, p, &d16[0], &c[0]);
-  block_scales(base, p + gb, &d16[1], &c[1]);
-  for (int i = 0; i < rows; ++i) {
-    acc[i] = scale_sums(base, acc[i], d16[0], c[0], _mm512_load_ps(sums + 16 * i), s[i * blocks + q]);
-    acc[i] = scale_sums(base, acc[i], d16[1], c[1], _mm512_load_ps(sums + 256 + 16 * i), s[i * blocks + q + 1]);
-  }
-}
-
-/* Blocks b and b + 1 of a group (``p``: block b) as B tiles at ``bt``. */
-static inline void make_pair(int base, const uint8_t* p, int gb, uint32_t* bt) {
-  for (int o = 0; o < 2 * gb; o += 64) prefetch_ahead(p + o);
-  block_tile(base, p, bt);
-  block_tile(base, p + gb, bt + 256);
-}
-
 /* One group of 16 weight rows (``blocks`` even) against ``rows`` <= 16 activation rows: their
- * 16 outputs each at out + i * ldo. Sums per row in registers. A software pipeline over the
- * block pairs, two buffers each of B tiles (``bt``) and sums (``cb``): pair b + 2's B tiles are
- * made, pair b's product issued, then pair b - 2's sums scaled, so that no tile load reads stores
- * just made and no vector load reads a tile store just made (tile registers are not renamed:
- * each pair waited for the one before). 30 layers of the default model's Q4_1 shapes, one
- * process, minimum of 11 interleaved, six runs: 1 row 3.89-4.14 against 4.49-4.90 ms in the
- * runs where the core was ours, level (5.76-6.13 against 5.61-6.09) in the slow ones. */
+ * 16 outputs each at out + i * ldo. Sums per row in registers. */
 static void group_rows(int base, const uint8_t* g, const uint32_t* a, const float* s, int rows, int64_t blocks,
                        float* out, int64_t ldo, uint32_t* bt, float* cb) {
   const int gb = 16 * block_bytes(base);
   __m512 acc[16];
   for (int i = 0; i < rows; ++i) acc[i] = _mm512_setzero_ps();
-  make_pair(base, g, gb, bt);
-  for (int64_t b = 0; b <= blocks; b += 2) {
-    const int cur = (int)(b / 2) & 1;
-    if (b + 2 < blocks) make_pair(base, g + (b + 2) * gb, gb, bt + 512 * (1 - cur));
-    if (b < blocks) block_pair(a, blocks, b, bt + 512 * cur, cb + 512 * cur);
-    if (b > 0) scale_pair(base, g + (b - 2) * gb, gb, cb + 512 * (1 - cur), s, b - 2, blocks, rows, acc);
+  for (int64_t b = 0; b < blocks; b += 2) {
+    const uint8_t* p = g + b * gb;
+    for (int o = 0; o < 2 * gb; o += 64) prefetch_ahead(p + o);
+    block_tile(base, p, bt);
+    block_tile(base, p + gb, bt + 256);
+    block_pair(a, blocks, b, bt, cb);
+    __m512 d16[2], c[2];
+    block_scales(base, p, &d16[0], &c[0]);
+    block_scales(base, p + gb, &d16[1], &c[1]);
+    for (int i = 0; i < rows; ++i) {
+      acc[i] = scale_sums(base, acc[i], d16[0], c[0], _mm512_load_ps(cb + 16 * i), s[i * blocks + b]);
+      acc[i] = scale_sums(base, acc[i], d16[1], c[1], _mm512_load_ps(cb + 256 + 16 * i), s[i * blocks + b + 1]);
+    }
   }
   for (int i = 0; i < rows; ++i) _mm512_storeu_ps(out + i * ldo, acc[i]);
 }
@@ -213,8 +196,8 @@ void xl_linear_amx_quant(int base, const float* x, const uint8_t* w, float* out,
   {
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; ++m) pair_row(base, x + m * K, blocks, a + m * blocks * 16, s + m * blocks);
-    uint32_t* bt = (uint32_t*)xl_scratch(4096); /* two buffers of a block pair's B tiles */
-    float* cb = (float*)xl_scratch(4096);       /* two of its sums (group_tiles uses one) */
+    uint32_t* bt = (uint32_t*)xl_scratch(2048);
+    float* cb = (float*)xl_scratch(2048);
     float* sums = M > 16 ? (float*)xl_scratch(sizeof(float) * 16 * PASS_ROWS) : NULL;
     configure(M > 16 ? 16 : (int)M);
     for (int64_t m0 = 0; m0 < M; m0 += PASS_ROWS) { /* a pass's activation pairs stay in L2 */
