@@ -105,17 +105,18 @@ def biased_llama(tmp_path_factory):
 
 @pytest.mark.skipif(not TAKEN, reason="the portable kernels do not build")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("amx", [True, False], ids=["amx-where-present", "without-amx"])
-def test_dense_weights_under_deterministic_decode_in_one_call_with_the_eager_bits(biased_llama, dtype, amx,
+@pytest.mark.parametrize("tile_order", [True, False], ids=["tile-order", "fp32-kernel"])
+def test_dense_weights_under_deterministic_decode_in_one_call_with_the_eager_bits(biased_llama, dtype, tile_order,
                                                                                   monkeypatch):
-    """bf16 weights on AMX tiles (where the CPU has them: the step calls the AMX library's kernel
-    through the table) or on the fp32 tiles of every CPU."""
-    if not amx:
-        monkeypatch.setattr(invariant_linear, "mark", functools.partial(invariant_linear.mark, amx=False))
+    """bf16 weights in the AMX tiles' order (on the tiles where the CPU has them, their twin on
+    every other AVX-512 CPU: the step calls the AVX-512 library's kernel through the table) or
+    on the fp32 tiles of every CPU."""
+    if not tile_order:
+        monkeypatch.setattr(invariant_linear, "mark", functools.partial(invariant_linear.mark, tile_order=False))
     llm = LLM(biased_llama, dtype=dtype, kv_cache_tokens=1024, deterministic=True)
     qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.weight
-    on_tiles = amx and dtype == "bfloat16" and cpu_ops.amx_ready()
-    assert (decode_step.projection_entry(qkv, qkv.dtype)[2] == decode_step.DENSE_CALL) == on_tiles
+    in_tile_order = tile_order and dtype == "bfloat16" and cpu_ops.kernels() is not None
+    assert (decode_step.projection_entry(qkv, qkv.dtype)[2] == decode_step.DENSE_CALL) == in_tile_order
     _on_both_paths(llm, monkeypatch)
 
 

@@ -32,16 +32,17 @@ FAMILIES = ["llama", "llama3", "qwen2", "qwen3", "mistral", "gemma3", "mixtral",
 SMALL_POOL = {"gemma3": 16, "llama4": 20}
 
 
-# bfloat16 on a CPU with AMX: the dense matmuls on the tiles, and again on the fp32 tiles of every
-# other CPU (their twin, forced here; elsewhere the plain run takes them)
-SETUPS = ["float32", "bfloat16"] + (["bfloat16-without-amx"] if cpu_ops.amx_ready() else [])
+# bfloat16 where the AVX-512 kernels load: the dense matmuls in the AMX tiles' order (on the tiles,
+# or their twin without AMX), and again on the fp32 kernel of CPUs without AVX-512 (forced here;
+# there the plain run takes it)
+SETUPS = ["float32", "bfloat16"] + (["bfloat16-fp32-kernel"] if cpu_ops.kernels() is not None else [])
 
 
 @pytest.mark.parametrize("dtype", SETUPS)
 @pytest.mark.parametrize("name", FAMILIES)
 def test_deterministic_output_does_not_depend_on_the_step(tiny_model_dirs, name, dtype, monkeypatch):
-    if dtype == "bfloat16-without-amx":
-        monkeypatch.setattr(invariant_linear, "mark", functools.partial(invariant_linear.mark, amx=False))
+    if dtype == "bfloat16-fp32-kernel":
+        monkeypatch.setattr(invariant_linear, "mark", functools.partial(invariant_linear.mark, tile_order=False))
         dtype = "bfloat16"
     path, prompts = tiny_model_dirs[name], _prompts()
     llm = LLM(path, dtype=dtype, deterministic=True, kv_cache_tokens=2048)

@@ -9,10 +9,10 @@ from torch import nn
 from xlserve.kernels import cpu_ops, invariant_linear, portable_library
 from xlserve.kernels.invariant_linear import Kernel
 
-AMX = cpu_ops.amx_ready()
-KERNELS = [Kernel.TILES] + ([Kernel.AMX] if AMX else [])  # the tiles' twin runs on every CPU
+TILE_ORDER = cpu_ops.kernels() is not None  # the AMX tiles' order: on the tiles, or their twin without AMX
+KERNELS = [Kernel.TILES] + ([Kernel.AMX] if TILE_ORDER else [])  # the fp32 kernel runs on every CPU
 needs_portable = pytest.mark.skipif(portable_library.kernels() is None, reason="the portable kernels do not build")
-needs_amx = pytest.mark.skipif(not AMX, reason="CPU without AMX")
+needs_tile_order = pytest.mark.skipif(not TILE_ORDER, reason="no AVX-512 kernels here")
 
 
 def _marked(w: torch.Tensor, kernel: Kernel) -> torch.Tensor:
@@ -50,7 +50,7 @@ def test_a_row_has_the_same_bits_alone_in_any_batch_and_on_any_thread_count(kern
     assert torch.equal(_rows(x, w, 1), batched)
 
 
-@needs_amx
+@needs_tile_order
 def test_the_tiles_round_float32_activations_to_bf16_and_write_only_their_columns():
     """What the C decode step relies on: float32 rows in (a bf16 model's activations are bf16
     values already; others are rounded to nearest even), and a part written into its columns of
@@ -68,23 +68,23 @@ def test_the_tiles_round_float32_activations_to_bf16_and_write_only_their_column
 
 def test_the_kernel_is_chosen_per_weight_from_its_dtype_shape_and_the_cpu():
     bf16 = torch.zeros(64, 96, dtype=torch.bfloat16)
-    assert invariant_linear.kernel_for(bf16, torch.bfloat16, amx=True) is Kernel.AMX
-    assert invariant_linear.kernel_for(bf16, torch.bfloat16, amx=False) is Kernel.TILES  # no tiles here
-    assert invariant_linear.kernel_for(bf16, torch.float32, amx=True) is Kernel.TILES  # fp32 activations stay fp32
-    assert invariant_linear.kernel_for(bf16.float(), torch.bfloat16, amx=True) is Kernel.TILES
+    assert invariant_linear.kernel_for(bf16, torch.bfloat16, tile_order=True) is Kernel.AMX
+    assert invariant_linear.kernel_for(bf16, torch.bfloat16, tile_order=False) is Kernel.TILES  # no AVX-512
+    assert invariant_linear.kernel_for(bf16, torch.float32, tile_order=True) is Kernel.TILES  # fp32 stays fp32
+    assert invariant_linear.kernel_for(bf16.float(), torch.bfloat16, tile_order=True) is Kernel.TILES
     assert invariant_linear.kernel_for(torch.zeros(48, 96, dtype=torch.bfloat16), torch.bfloat16,
-                                       amx=True) is Kernel.TILES  # N % 32: the tiles would not take it whole
+                                       tile_order=True) is Kernel.TILES  # N % 32: the tiles would not take it whole
     assert invariant_linear.kernel_for(torch.zeros(2, 64, 96, dtype=torch.bfloat16), torch.bfloat16,
-                                       amx=True) is Kernel.TILES  # stacked experts
+                                       tile_order=True) is Kernel.TILES  # stacked experts
 
 
 @needs_portable
-def test_mark_records_each_weights_kernel_and_never_the_tiles_where_the_process_has_none():
+def test_mark_records_each_weights_kernel_and_the_fp32_kernel_where_the_tile_order_is_not_computed():
     model = nn.Sequential(nn.Linear(96, 64, bias=False), nn.Linear(64, 48, bias=False)).bfloat16()
     counts = invariant_linear.mark(model, torch.bfloat16)
     first, second = model[0].weight, model[1].weight
-    assert invariant_linear.kernel_of(first) is (Kernel.AMX if AMX else Kernel.TILES)
+    assert invariant_linear.kernel_of(first) is (Kernel.AMX if TILE_ORDER else Kernel.TILES)
     assert invariant_linear.kernel_of(second) is Kernel.TILES
-    assert counts == ({Kernel.TILES: 1, Kernel.AMX: 1} if AMX else {Kernel.TILES: 2, Kernel.AMX: 0})
-    assert invariant_linear.mark(model, torch.bfloat16, amx=False) == {Kernel.TILES: 2, Kernel.AMX: 0}
+    assert counts == ({Kernel.TILES: 1, Kernel.AMX: 1} if TILE_ORDER else {Kernel.TILES: 2, Kernel.AMX: 0})
+    assert invariant_linear.mark(model, torch.bfloat16, tile_order=False) == {Kernel.TILES: 2, Kernel.AMX: 0}
     assert invariant_linear.kernel_of(first) is Kernel.TILES

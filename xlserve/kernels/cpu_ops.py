@@ -26,7 +26,7 @@ from xlserve.kernels.cpu_isa import cpu_flags
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(n) for n in ("gemv_bf16.c", "gemm_amx.c", "decode_ops.c", "decode_attention.c",
-                                                 "decode_layer.c")]
+                                                 "decode_layer.c", "gemm_tile_order_dense.c")]
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 LINEAR_MAX_ROWS = 4  # beyond this, a matmul on AMX tiles (or oneDNN's GEMM) beats a pass per row block
 MAX_ROWS = 64  # decode batches up to this size take the fused path (norm, rope, attention)
@@ -63,6 +63,7 @@ SIGNATURES = {
     "xl_linear_amx": [P, P, P, P, P, I64, I64, I64, I32],
     "xl_linear_amx_f32": [P, P, P, I64, I64, I64, I32],
     "xl_linear_amx_dense": [P, P, P, I64, I64, I64, I64, I32],
+    "xl_tile_order_dense": [P, P, P, P, P, P, I64, I64, I64, I64, I32],
     "xl_decode_layers": [P, I64, I64, I64, P, F32, I64, I64, I64, I64, P, P, P, P, P, I64, F32, I32, I32],
 }
 LAYER_POINTERS = 9  # per layer in ``decode_layers_``'s table, in xl_decode_layers' order
@@ -291,9 +292,11 @@ def amx_ready() -> bool:
 
 def linear_amx(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T (+ bias) (+ residual)`` on AMX tiles, the weight read in place."""
-    if not amx_ready():  # the tiles fault (SIGILL) until the OS grants them to the process
-        raise ValueError("AMX is unavailable in this process (CPU, kernel or build)")
+    """``x @ weight.T (+ bias) (+ residual)`` on AMX tiles, the weight read in place; where the
+    process has no tiles, their twin in FMAs computes the same bits (``--deterministic``'s
+    kernel, ``invariant_linear``), slower: the default takes it only with ``use_amx``."""
+    if kernels() is None:
+        raise ValueError("the AVX-512 kernels are unavailable in this process (CPU, compiler or XLSERVE_EAGER)")
     x = x.contiguous()
     n, k = weight.shape
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)

@@ -18,16 +18,20 @@
  * 33.0 against 29.1, 46.8 against 43.2).
  *
  * Needs K % 32 == 0 and N % 32 == 0 (the caller checks), and AMX permission from the
- * kernel, asked for once per process.
+ * kernel, asked for once per process. Without it (another CPU, a build without AMX, the
+ * permission refused) the entry points below compute the same bits in vector FMAs
+ * (gemm_tile_order_dense.c).
  */
 #include <stdint.h>
+#include <stdlib.h>
+
+#include "scratch.h"
 
 #ifdef XL_HAVE_AMX
-#include <stdlib.h>
 #include <string.h>
 
 #include "amx_tiles.h"
-#include "scratch.h"
+#include "transpose16.h"
 #include "vec_math.h"
 
 /* 1 when the process may use AMX tiles (asks the kernel on first call). */
@@ -37,32 +41,6 @@ int xl_amx_ready(void) { return amx_permitted(); }
 static void configure_tiles(void) {
   static const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
   load_tiles(8, rows);
-}
-
-/* The 16 x 16 matrix of 32-bit values at ``in`` (rows ``stride`` values apart) transposed into
- * ``col``: col[j] = its column j. 64 shuffles. */
-static inline void transpose16(const float* in, int64_t stride, __m512 col[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 16; ++i) col[i] = _mm512_loadu_ps(in + stride * i);
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(col[i], col[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(col[i], col[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    col[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
-    col[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
-    col[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    col[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-  for (int h = 0; h < 16; h += 8)
-    for (int i = 0; i < 4; ++i) {
-      t[h + i] = _mm512_shuffle_f32x4(col[h + i], col[h + 4 + i], 0x88);
-      t[h + 4 + i] = _mm512_shuffle_f32x4(col[h + i], col[h + 4 + i], 0xdd);
-    }
-  for (int i = 0; i < 8; ++i) {
-    col[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-    col[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
-  }
 }
 
 /* x [M, K] bf16 -> tiles [M/16][K/32] of 16 K-pairs x 16 rows (32-bit pairs), zero-padded rows. */
@@ -198,12 +176,30 @@ static void gemm_tiles(const uint16_t* w, const uint32_t* xb, const uint16_t* bi
 
 /* bf16 x [M, K] against w on the tiles, written by write_tile (bf16 ``out`` or fp32 ``out32``, rows
  * ``ldo`` apart in out32): every entry point below. */
-static void multiply(const uint16_t* x, const uint16_t* w, const void* bias, const void* residual, void* out,
-                     float* out32, int64_t M, int64_t N, int64_t K, int64_t ldo, int threads) {
+static void multiply_tiles(const uint16_t* x, const uint16_t* w, const void* bias, const void* residual, void* out,
+                           float* out32, int64_t M, int64_t N, int64_t K, int64_t ldo, int threads) {
   const int64_t m_blocks = (M + 15) / 16;
   uint32_t* xb = pair_interleave(x, M, K, m_blocks);
   gemm_tiles(w, xb, bias, residual, out, out32, M, N, K, ldo, m_blocks, threads);
   free(xb);
+}
+
+#else
+int xl_amx_ready(void) { return 0; }
+#endif
+
+/* gemm_tile_order_dense.c: the tiles' arithmetic in FMAs, for CPUs without them */
+void xl_tile_order_dense(const uint16_t* x, const uint16_t* w, const void* bias, const void* residual, void* out,
+                         float* out32, int64_t M, int64_t N, int64_t K, int64_t ldo, int threads);
+void xl_round_rows_bf16(const float* x, uint16_t* out, int64_t count);
+
+/* The tiles where the process may use them, else their twin: the same bits either way. */
+static void multiply(const uint16_t* x, const uint16_t* w, const void* bias, const void* residual, void* out,
+                     float* out32, int64_t M, int64_t N, int64_t K, int64_t ldo, int threads) {
+#ifdef XL_HAVE_AMX
+  if (amx_permitted()) return multiply_tiles(x, w, bias, residual, out, out32, M, N, K, ldo, threads);
+#endif
+  xl_tile_order_dense(x, w, bias, residual, out, out32, M, N, K, ldo, threads);
 }
 
 /* out = x @ w.T (+ bias) (+ residual), all bf16, rounded as xl_linear_bf16 rounds;
@@ -221,35 +217,15 @@ void xl_linear_amx_f32(const uint16_t* x, const uint16_t* w, float* out, int64_t
 
 /* out [M, ldo] fp32, columns 0..N-1 = x @ w.T, x fp32 rounded to bf16 (to nearest even: the
  * activations of a bf16 model already are), w bf16: the batch-invariant matmul of
- * --deterministic on this CPU (invariant_linear.py), for every M, one row as many. Each output
- * is one tile element accumulated over K in one order by one thread, whatever M, the row's
- * place in its tile or the thread count (tested); what the tile unit does inside one
- * instruction is its own (neither fp32 FMAs nor vdpbf16ps reproduce it), so its bits are this
- * CPU's, not those of another kernel. */
+ * --deterministic (invariant_linear.py), for every M, one row as many. Each output is one tile
+ * element accumulated over K in one order by one thread, whatever M, the row's place in its
+ * tile or the thread count (tested); on a CPU without the tiles their twin computes the same
+ * bits (gemm_tile_order_dense.c), so the mode answers alike on both. */
 void xl_linear_amx_dense(const float* x, const uint16_t* w, float* out, int64_t M, int64_t N, int64_t K,
                          int64_t ldo, int threads) {
   uint16_t* xh = xl_scratch((size_t)M * K * 2);
-  for (int64_t i = 0; i < M * K; i += 16) /* K % 32 == 0 */
-    _mm256_storeu_si256((__m256i*)(xh + i), round_bf16(_mm512_loadu_ps(x + i)));
+  xl_round_rows_bf16(x, xh, M * K); /* K % 32 == 0 */
   multiply(xh, w, NULL, NULL, NULL, out, M, N, K, ldo, threads);
   free(xh);
 }
 
-#else
-int xl_amx_ready(void) { return 0; }
-
-void xl_linear_amx(const uint16_t* x, const uint16_t* w, const void* bias, const void* residual, void* out,
-                   int64_t M, int64_t N, int64_t K, int threads) {
-  (void)x, (void)w, (void)bias, (void)residual, (void)out, (void)M, (void)N, (void)K, (void)threads;
-}
-
-void xl_linear_amx_f32(const uint16_t* x, const uint16_t* w, float* out, int64_t M, int64_t N, int64_t K,
-                       int threads) {
-  (void)x, (void)w, (void)out, (void)M, (void)N, (void)K, (void)threads;
-}
-
-void xl_linear_amx_dense(const float* x, const uint16_t* w, float* out, int64_t M, int64_t N, int64_t K,
-                         int64_t ldo, int threads) {
-  (void)x, (void)w, (void)out, (void)M, (void)N, (void)K, (void)ldo, (void)threads;
-}
-#endif

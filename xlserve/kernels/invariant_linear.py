@@ -1,22 +1,21 @@
 """The dense CPU matmul of ``--deterministic``: each output one dot product in a fixed order,
-whatever the number of rows, the tile or the thread. oneDNN's and MKL's matmuls pick their
-blocking by shape, so a row's result moves with the batch it is in; these do not.
+whatever the number of rows, the tile, the thread or the CPU. oneDNN's and MKL's matmuls pick
+their blocking by shape, so a row's result moves with the batch it is in; these do not.
 
 Two kernels, one per weight, chosen once as the model loads (``kernel_for``), so a weight's rows
 take the same one alone or batched, prefill or decode (``decode_step.py`` reads the choice):
 
 - ``Kernel.AMX`` (``gemm_amx.c``: ``xl_linear_amx`` for bf16 rows, ``xl_linear_amx_dense`` for
-  the float32 ones of the one-call decode step and the logits): bf16 weights of a bf16 model on
-  a CPU with AMX tiles, for every row count. The default's bf16 decode matmuls take the same
-  tiles (``cpu_ops.use_amx``), its prefill oneDNN's, which a 512-token prefill on ours now
-  matches (docs/benchmarks.md: the mode's cost there is the rest of a decode step).
-- ``Kernel.TILES`` (``gemm_quant.c:xl_linear_dense``): fp32 multiply-adds on every CPU the
-  portable kernels run on (bf16 weights widened exactly), the quantized kernels' order: the
-  twin where there are no tiles, and for fp32 weights or activations, and shapes the tiles
-  do not take whole.
-
-The two give different bits (the tile unit's sums are its own), never for one weight in one
-process.
+  the float32 ones of the one-call decode step and the logits): bf16 weights of a bf16 model
+  whose shape the tiles take whole, for every row count, in the AMX tile product's order: on
+  the tiles where the CPU has them, else in their twin in FMAs (``gemm_tile_order_dense.c``),
+  the same bits, so a prefill worker with AMX and a decode worker without one answer as one
+  machine. The default's bf16 decode matmuls take the same tiles (``cpu_ops.use_amx``), its
+  prefill oneDNN's, which a 512-token prefill on ours now matches (docs/benchmarks.md: the
+  mode's cost there is the rest of a decode step).
+- ``Kernel.TILES`` (``gemm_quant.c:xl_linear_dense``): fp32 multiply-adds in the quantized
+  kernels' order on every CPU the portable kernels run on (bf16 weights widened exactly): fp32
+  weights or activations, shapes the tiles do not take whole, and CPUs without AVX-512.
 """
 
 from __future__ import annotations
@@ -44,28 +43,28 @@ def takes(weight: object) -> bool:
             and weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[-1] % 16 == 0)
 
 
-def kernel_for(weight: torch.Tensor, dtype: torch.dtype, amx: bool) -> Kernel:
-    """AMX where ``amx`` (the process may use the tiles), the model computes
-    in bf16 (rounding its activations to bf16 changes nothing) and the tiles take the bf16 weight
-    whole ([N, K], both multiples of 32); TILES otherwise."""
+def kernel_for(weight: torch.Tensor, dtype: torch.dtype, tile_order: bool) -> Kernel:
+    """AMX where ``tile_order`` (this process computes the tiles' order: on the tiles or their
+    twin), the model computes in bf16 (rounding its activations to bf16 changes nothing) and
+    the tiles take the bf16 weight whole ([N, K], both multiples of 32); TILES otherwise."""
     whole = weight.dim() == 2 and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0
-    return Kernel.AMX if amx and dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and whole \
+    return Kernel.AMX if tile_order and dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and whole \
         else Kernel.TILES
 
 
-def mark(model: nn.Module, dtype: torch.dtype, amx: bool = True) -> dict[Kernel, int]:
+def mark(model: nn.Module, dtype: torch.dtype, tile_order: bool = True) -> dict[Kernel, int]:
     """Mark every dense CPU matmul weight these kernels take with its kernel: each module's
     ``weight`` [N, K], and stacked weights [E, N, K] of a module that says it has them
     (``matmul_stacks``: a MoE layer's experts, which take TILES); returns how many took each.
-    AMX only where the CPU has the tiles and the OS grants them to this process (asked here,
-    before any tile instruction runs), and not with ``amx`` False (the twin's tests)."""
-    amx = amx and cpu_ops.amx_ready()
+    AMX wherever the AVX-512 kernels load (``cpu_ops``: the tiles where the OS grants them,
+    their twin elsewhere), not with ``tile_order`` False (the fp32 kernel's tests)."""
+    tile_order = tile_order and cpu_ops.kernels() is not None
     counts = dict.fromkeys(Kernel, 0)
     for module in model.modules():
         names = ("weight", *getattr(module, "matmul_stacks", ()))
         for weight in (getattr(module, name, None) for name in names):
             if takes(weight):
-                kernel = kernel_for(weight, dtype, amx)
+                kernel = kernel_for(weight, dtype, tile_order)
                 setattr(weight, MARK, kernel)
                 counts[kernel] += 1
     return counts

@@ -1,0 +1,137 @@
+/* The dense AMX tile kernel's arithmetic (gemm_amx.c) without the tiles: bfloat16 weights [N, K]
+ * in their plain layout against bfloat16 activations, in vector FMAs, on any CPU with AVX512F
+ * and AVX512BW (AMD Zen 4 / 5, Intel Ice Lake and Cooper Lake). Every output has the bits the
+ * tiles give it, so a bfloat16 model under --deterministic answers the same on a CPU with AMX
+ * and one without (invariant_linear.py), as a model kept in Q4_0 / Q4_1 / Q8_0 does by default
+ * (gemm_tile_order.c).
+ *
+ * The tiles' order (measured bit for bit against tdpbf16ps with a nonzero C, 25.6 million
+ * outputs, docs/quantization.md): in a block of 32 values, the first products of the 16 pairs
+ * summed in pair order, each step rounded to fp32, the second products the same way apart, then
+ * C + (first + second); C starts at zero and carries across the blocks of K. A product of two
+ * bfloat16 values is exact in fp32, so one FMA a product in that order is what the tile
+ * computes. Inputs below 2^-126 count as zero, as the tiles take them. Not reproduced: a tile
+ * flushes a partial sum below 2^-126 to zero, which the FMAs keep (never seen in a model).
+ *
+ * Lanes are 16 output features: a block of 16 weight rows is transposed in registers (64
+ * shuffles) into its 16 pairs, once for a pass of up to ROWS_MAX activation rows, each pair
+ * feeding two FMAs a row. The epilogue is gemm_amx.c's write_tile, per row: + bias (zero when
+ * none), then the fp32 sums or, rounded to bfloat16 as vcvtneps2bf16 rounds, + residual and
+ * rounded again.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "scratch.h"
+#include "tile_blocks.h" /* built with cpu_ops.py's flags: AVX512F and AVX512BW */
+#include "transpose16.h"
+
+/* rows a pass takes: their first and second sums and C, 24 registers at 8 */
+#define ROWS_MAX 8
+
+/* fp32 lanes whose exponent is zero (bfloat16 denormals widened) as +0: the tiles' inputs */
+static inline __m512 flush_denormal(__m512i bits) {
+  return _mm512_maskz_mov_ps(_mm512_test_epi32_mask(bits, _mm512_set1_epi32(0x7F800000)), _mm512_castsi512_ps(bits));
+}
+
+/* ``count`` bfloat16 values as fp32, denormals as zero */
+static void widen_rows(const uint16_t* x, float* out, int64_t count) {
+  for (int64_t i = 0; i < count; i += 16) /* K % 32 == 0 */
+    _mm512_storeu_ps(out + i, flush_denormal(_mm512_slli_epi32(
+                                  _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x + i))), 16)));
+}
+
+/* Block b of 16 weight rows (``w``: row 0's block, rows ``K`` values apart) as its 16 pairs:
+ * pairs[p] lane n = row n's values 2p and 2p + 1 (bits, transposed) */
+static inline void block_pairs(const uint16_t* w, int64_t K, __m512 pairs[16]) {
+  transpose16((const float*)w, K / 2, pairs);
+}
+
+/* One block's products for ``rows`` rows (``x``: row 0's block, rows ``K`` apart) into C. */
+static inline __attribute__((always_inline)) void block_products(const __m512 pairs[16], const float* x, int64_t K, int rows, __m512* c) {
+  __m512 first[ROWS_MAX], second[ROWS_MAX];
+  for (int i = 0; i < rows; ++i) first[i] = second[i] = _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi32((int)0xFFFF0000), exponent = _mm512_set1_epi16(0x7F80);
+  for (int p = 0; p < 16; ++p) { /* each bfloat16 whose exponent is zero made +0 */
+    const __m512i raw = _mm512_castps_si512(pairs[p]);
+    const __m512i bits = _mm512_maskz_mov_epi16(_mm512_test_epi16_mask(raw, exponent), raw);
+    const __m512 wf = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+    const __m512 ws = _mm512_castsi512_ps(_mm512_and_si512(bits, high));
+    for (int i = 0; i < rows; ++i) {
+      first[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * K + 2 * p]), wf, first[i]);
+      second[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * K + 2 * p + 1]), ws, second[i]);
+    }
+  }
+  for (int i = 0; i < rows; ++i) c[i] = _mm512_add_ps(c[i], _mm512_add_ps(first[i], second[i]));
+}
+
+/* write_tile's operations on one row's 16 features ``v`` (outputs n0 .. n0 + 15 of row m) */
+static inline void finish_row(__m512 v, int64_t m, int64_t n0, int64_t N, int64_t ldo, const uint16_t* bias,
+                              const uint16_t* residual, uint16_t* out, float* out32) {
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                              _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(bias + n0))), 16))
+                        : _mm512_castsi512_ps(zero);
+  v = _mm512_add_ps(v, b);
+  if (out32) {
+    _mm512_storeu_ps(out32 + m * ldo + n0, v);
+    return;
+  }
+  if (residual) {
+    const __m512i r = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(residual + m * N + n0)));
+    v = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(bf16_round(v), 16)),
+                      _mm512_castsi512_ps(_mm512_slli_epi32(r, 16)));
+  }
+  _mm256_storeu_si256((__m256i*)(out + m * N + n0), _mm512_cvtepi32_epi16(bf16_round(v)));
+}
+
+/* Features n0 .. n0 + 15 of rows m0 .. m0 + rows - 1, every block of K; inlined for each row
+ * count (a constant there), so that the sums stay in registers. */
+static inline __attribute__((always_inline)) void group_pass_of(const float* xf, const uint16_t* w, int64_t n0,
+                                                                int64_t m0, const int rows, int64_t N, int64_t K,
+                                                                int64_t ldo, const uint16_t* bias,
+                                                                const uint16_t* residual, uint16_t* out, float* out32) {
+  __m512 c[ROWS_MAX], pairs[16];
+  for (int i = 0; i < rows; ++i) c[i] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += 32) {
+    block_pairs(w + n0 * K + k0, K, pairs);
+    block_products(pairs, xf + m0 * K + k0, K, rows, c);
+  }
+  for (int i = 0; i < rows; ++i) finish_row(c[i], m0 + i, n0, N, ldo, bias, residual, out, out32);
+}
+
+static void group_pass(const float* xf, const uint16_t* w, int64_t n0, int64_t m0, int rows, int64_t N, int64_t K,
+                       int64_t ldo, const uint16_t* bias, const uint16_t* residual, uint16_t* out, float* out32) {
+  switch (rows) {
+#define ROWS_CASE(R) \
+  case R: return group_pass_of(xf, w, n0, m0, R, N, K, ldo, bias, residual, out, out32);
+    ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+#undef ROWS_CASE
+    default: abort(); /* never: passes hold 1 to ROWS_MAX rows */
+  }
+}
+
+/* gemm_amx.c's multiply without the tiles, the same contract and bits: x [M, K] and w [N, K]
+ * bfloat16 (K % 32 == 0, N % 32 == 0); bf16 ``out`` [M, N] (+ bias, rounded, + residual,
+ * rounded) or, with ``out32``, the fp32 sums + bias, rows ``ldo`` apart. */
+void xl_tile_order_dense(const uint16_t* x, const uint16_t* w, const void* bias, const void* residual, void* out,
+                         float* out32, int64_t M, int64_t N, int64_t K, int64_t ldo, int threads) {
+  float* xf = (float*)xl_scratch(sizeof(float) * (size_t)(M * K));
+  widen_rows(x, xf, M * K);
+  const int64_t groups = N / 16, passes = (M + ROWS_MAX - 1) / ROWS_MAX;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t q = 0; q < passes; ++q) {
+      const int rows = M - q * ROWS_MAX < ROWS_MAX ? (int)(M - q * ROWS_MAX) : ROWS_MAX;
+      group_pass(xf, w, 16 * g, q * ROWS_MAX, rows, N, K, ldo, (const uint16_t*)bias, (const uint16_t*)residual,
+                 (uint16_t*)out, out32);
+    }
+  free(xf);
+}
+
+/* ``count`` fp32 values to bfloat16 as vcvtneps2bf16 rounds (tile_blocks.h), count % 16 == 0: the
+ * activations of xl_linear_amx_dense on either path. */
+void xl_round_rows_bf16(const float* x, uint16_t* out, int64_t count) {
+  for (int64_t i = 0; i < count; i += 16)
+    _mm256_storeu_si256((__m256i*)(out + i), _mm512_cvtepi32_epi16(bf16_round(_mm512_loadu_ps(x + i))));
+}
