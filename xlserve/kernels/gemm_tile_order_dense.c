@@ -65,9 +65,21 @@ static inline __attribute__((always_inline)) void block_products(const __m512 pa
   for (int i = 0; i < rows; ++i) c[i] = _mm512_add_ps(c[i], _mm512_add_ps(first[i], second[i]));
 }
 
+/* Where the sums go: bf16 ``out`` [M, N] (+ ``bias``, rounded, + ``residual``, rounded) or, with
+ * ``out32``, the fp32 sums + bias, rows ``ldo`` apart. */
+typedef struct {
+  const uint16_t *bias, *residual;
+  uint16_t* out;
+  float* out32;
+  int64_t N, ldo;
+} epilogue;
+
 /* write_tile's operations on one row's 16 features ``v`` (outputs n0 .. n0 + 15 of row m) */
-static inline void finish_row(__m512 v, int64_t m, int64_t n0, int64_t N, int64_t ldo, const uint16_t* bias,
-                              const uint16_t* residual, uint16_t* out, float* out32) {
+static inline void finish_row(__m512 v, int64_t m, int64_t n0, const epilogue* e) {
+  const uint16_t *bias = e->bias, *residual = e->residual;
+  uint16_t* out = e->out;
+  float* out32 = e->out32;
+  const int64_t N = e->N, ldo = e->ldo;
   const __m512i zero = _mm512_setzero_si512();
   const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
                               _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(bias + n0))), 16))
@@ -88,26 +100,78 @@ static inline void finish_row(__m512 v, int64_t m, int64_t n0, int64_t N, int64_
 /* Features n0 .. n0 + 15 of rows m0 .. m0 + rows - 1, every block of K; inlined for each row
  * count (a constant there), so that the sums stay in registers. */
 static inline __attribute__((always_inline)) void group_pass_of(const float* xf, const uint16_t* w, int64_t n0,
-                                                                int64_t m0, const int rows, int64_t N, int64_t K,
-                                                                int64_t ldo, const uint16_t* bias,
-                                                                const uint16_t* residual, uint16_t* out, float* out32) {
+                                                                int64_t m0, const int rows, int64_t K,
+                                                                const epilogue* e) {
   __m512 c[ROWS_MAX], pairs[16];
   for (int i = 0; i < rows; ++i) c[i] = _mm512_setzero_ps();
   for (int64_t k0 = 0; k0 < K; k0 += 32) {
     block_pairs(w + n0 * K + k0, K, pairs);
     block_products(pairs, xf + m0 * K + k0, K, rows, c);
   }
-  for (int i = 0; i < rows; ++i) finish_row(c[i], m0 + i, n0, N, ldo, bias, residual, out, out32);
+  for (int i = 0; i < rows; ++i) finish_row(c[i], m0 + i, n0, e);
 }
 
-static void group_pass(const float* xf, const uint16_t* w, int64_t n0, int64_t m0, int rows, int64_t N, int64_t K,
-                       int64_t ldo, const uint16_t* bias, const uint16_t* residual, uint16_t* out, float* out32) {
+static void group_pass(const float* xf, const uint16_t* w, int64_t n0, int64_t m0, int rows, int64_t K,
+                       const epilogue* e) {
   switch (rows) {
 #define ROWS_CASE(R) \
-  case R: return group_pass_of(xf, w, n0, m0, R, N, K, ldo, bias, residual, out, out32);
+  case R: return group_pass_of(xf, w, n0, m0, R, K, e);
     ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
 #undef ROWS_CASE
     default: abort(); /* never: passes hold 1 to ROWS_MAX rows */
+  }
+}
+
+/* From ROW_LANES_MIN rows the lanes are 16 activation rows instead (the same sums, each in the
+ * same order): the rows are transposed once a call, a 16-feature group's weights widened once
+ * for every group of rows, and each weight is a broadcast operand of its FMAs, so no transpose
+ * runs per pass. */
+#define ROW_LANES_MIN 16
+
+/* Rows as lanes: xt [M / 16 (rounded up)][K][16] fp32, group r lane i = row 16 r + i (zero past M). */
+static void transpose_rows(const float* xf, int64_t M, int64_t K, float* xt) {
+  for (int64_t r = 0; r < (M + 15) / 16; ++r)
+    for (int64_t k0 = 0; k0 < K; k0 += 16) {
+      float block[256] __attribute__((aligned(64)));
+      for (int i = 0; i < 16; ++i)
+        for (int j = 0; j < 16; ++j) block[16 * i + j] = 16 * r + i < M ? xf[(16 * r + i) * K + k0 + j] : 0.0f;
+      __m512 col[16];
+      transpose16(block, 16, col);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_ps(xt + (r * K + k0 + j) * 16, col[j]);
+    }
+}
+
+/* Block k0's products of four features (wf: their fp32 weights, rows K apart) over a group of 16
+ * rows (xt: its [K][16]), in the tiles' order, added to c[0..3] (lane i: row i). */
+static inline __attribute__((always_inline)) void four_features(const float* wf, const float* xt, int64_t K,
+                                                                int64_t k0, __m512* c) {
+  __m512 first[4], second[4];
+  for (int j = 0; j < 4; ++j) first[j] = second[j] = _mm512_setzero_ps();
+  for (int p = 0; p < 16; ++p) {
+    const __m512 xa = _mm512_loadu_ps(xt + (k0 + 2 * p) * 16), xb = _mm512_loadu_ps(xt + (k0 + 2 * p + 1) * 16);
+    for (int j = 0; j < 4; ++j) {
+      first[j] = _mm512_fmadd_ps(_mm512_set1_ps(wf[j * K + k0 + 2 * p]), xa, first[j]);
+      second[j] = _mm512_fmadd_ps(_mm512_set1_ps(wf[j * K + k0 + 2 * p + 1]), xb, second[j]);
+    }
+  }
+  for (int j = 0; j < 4; ++j) c[j] = _mm512_add_ps(c[j], _mm512_add_ps(first[j], second[j]));
+}
+
+/* Features n0 .. n0 + 15 against every row, rows as lanes (wf: scratch for their K fp32 weights);
+ * block by block, each block's rows and weights read from L1 by the four quarters of the group. */
+static void group_rows_as_lanes(const float* xt, const uint16_t* w, int64_t n0, int64_t M, int64_t K, float* wf,
+                                const epilogue* e) {
+  widen_rows(w + n0 * K, wf, 16 * K);
+  for (int64_t r = 0; r < (M + 15) / 16; ++r) {
+    __m512 c[16]; /* [feature] lanes: rows */
+    for (int j = 0; j < 16; ++j) c[j] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += 32)
+      for (int q = 0; q < 4; ++q) four_features(wf + 4 * q * K, xt + r * K * 16, K, k0, c + 4 * q);
+    float sums[256] __attribute__((aligned(64)));
+    for (int j = 0; j < 16; ++j) _mm512_store_ps(sums + 16 * j, c[j]);
+    __m512 rows[16]; /* [row] lanes: features */
+    transpose16(sums, 16, rows);
+    for (int64_t i = 0; i < 16 && 16 * r + i < M; ++i) finish_row(rows[i], 16 * r + i, n0, e);
   }
 }
 
@@ -116,17 +180,30 @@ static void group_pass(const float* xf, const uint16_t* w, int64_t n0, int64_t m
  * rounded) or, with ``out32``, the fp32 sums + bias, rows ``ldo`` apart. */
 void xl_tile_order_dense(const uint16_t* x, const uint16_t* w, const void* bias, const void* residual, void* out,
                          float* out32, int64_t M, int64_t N, int64_t K, int64_t ldo, int threads) {
+  const epilogue e = {(const uint16_t*)bias, (const uint16_t*)residual, (uint16_t*)out, out32, N, ldo};
+  const int64_t groups = N / 16, passes = (M + ROWS_MAX - 1) / ROWS_MAX, row_lanes = M >= ROW_LANES_MIN;
   float* xf = (float*)xl_scratch(sizeof(float) * (size_t)(M * K));
+  float* xt = row_lanes ? (float*)xl_scratch(sizeof(float) * (size_t)((M + 15) / 16 * 16 * K)) : NULL;
   widen_rows(x, xf, M * K);
-  const int64_t groups = N / 16, passes = (M + ROWS_MAX - 1) / ROWS_MAX;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t g = 0; g < groups; ++g)
-    for (int64_t q = 0; q < passes; ++q) {
-      const int rows = M - q * ROWS_MAX < ROWS_MAX ? (int)(M - q * ROWS_MAX) : ROWS_MAX;
-      group_pass(xf, w, 16 * g, q * ROWS_MAX, rows, N, K, ldo, (const uint16_t*)bias, (const uint16_t*)residual,
-                 (uint16_t*)out, out32);
+  if (row_lanes) transpose_rows(xf, M, K, xt);
+#pragma omp parallel num_threads(threads)
+  {
+    float* wf = row_lanes ? (float*)xl_scratch(sizeof(float) * (size_t)(16 * K)) : NULL;
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; ++g) {
+      if (row_lanes) {
+        group_rows_as_lanes(xt, w, 16 * g, M, K, wf, &e);
+        continue;
+      }
+      for (int64_t q = 0; q < passes; ++q) {
+        const int rows = M - q * ROWS_MAX < ROWS_MAX ? (int)(M - q * ROWS_MAX) : ROWS_MAX;
+        group_pass(xf, w, 16 * g, q * ROWS_MAX, rows, K, &e);
+      }
     }
+    free(wf);
+  }
   free(xf);
+  free(xt);
 }
 
 /* ``count`` fp32 values to bfloat16 as vcvtneps2bf16 rounds (tile_blocks.h), count % 16 == 0: the
