@@ -71,8 +71,9 @@ def projection_entry(weight, dtype: torch.dtype) -> list[int] | None:
 
 @functools.cache
 def _amx_dense_address() -> int:
-    """Where ``gemm_amx.c:xl_linear_amx_dense`` lies: the portable build has no AMX kernels, so
-    the step calls the other library's through this address."""
+    """Where ``gemm_amx.c:xl_linear_amx_dense`` lies (the tiles, or their twin where the process
+    has none): the portable build has neither, so the step calls the other library's through
+    this address."""
     return ctypes.cast(cpu_ops.kernels().xl_linear_amx_dense, ctypes.c_void_p).value
 
 
