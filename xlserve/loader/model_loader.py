@@ -12,7 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from xlserve.config import ModelConfig
-from xlserve.kernels import invariant_linear, portable_library
+from xlserve.kernels import cpu_ops, invariant_linear, portable_library
 from xlserve.kernels.cpu_isa import cpu_flags as _cpu_flags
 from xlserve.layers.quantized import describe as describe_quantized
 from xlserve.layers.quantized import set_activation_bits
@@ -103,8 +103,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
     set_activation_bits(model, config.int8_activations, dtype)
     if config.deterministic:
         counts = invariant_linear.mark(model, dtype)
-        log.info("deterministic: dense weights on the batch-invariant kernels: %s",
-                 ", ".join(f"{count} on {kernel.value}" for kernel, count in counts.items()))
+        log.info("deterministic: dense weights on the batch-invariant kernels: %s (amx: the tiles' order, %s)",
+                 ", ".join(f"{count} on {kernel.value}" for kernel, count in counts.items()),
+                 "on the tiles" if cpu_ops.amx_ready() else "in their twin's FMAs")
     if sliced:
         seconds = time.perf_counter() - started
         log.info("rank %d read %.1f MiB of the checkpoint's %.1f MiB in %.2f s (%.0f MiB/s)", stage.rank,
