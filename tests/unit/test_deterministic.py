@@ -1,7 +1,7 @@
 """``deterministic=True``: output that does not depend on the step a token is computed in —
 alone or in a batch of mixed lengths, chunked, after a prefix hit, recomputed after
-preemption, on one thread or two — bit for bit, in float32 and in bfloat16 (on AMX tiles and
-without them), for every model family."""
+preemption, on one thread or two — bit for bit, in float32 and in bfloat16 (in the AMX tiles'
+order and on the fp32 kernel), for every model family."""
 
 import functools
 
