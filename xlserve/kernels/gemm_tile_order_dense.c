@@ -28,7 +28,6 @@
 
 #include "scratch.h"
 #include "tile_blocks.h" /* built with cpu_ops.py's flags: AVX512F and AVX512BW */
-#include "transpose16.h"
 
 /* rows a pass takes: their first and second sums and C, 24 registers at 8 */
 #define ROWS_MAX 8
@@ -38,21 +37,16 @@ static inline __m512 flush_denormal(__m512i bits) {
   return _mm512_maskz_mov_ps(_mm512_test_epi32_mask(bits, _mm512_set1_epi32(0x7F800000)), _mm512_castsi512_ps(bits));
 }
 
-/* 16 bfloat16 values as fp32 */
-static inline __m512 widen16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
 /* ``count`` (a multiple of 16) bfloat16 values as fp32, denormals as zero */
 static void widen_rows(const uint16_t* x, float* out, int64_t count) {
   for (int64_t i = 0; i < count; i += 16)
-    _mm512_storeu_ps(out + i, flush_denormal(_mm512_castps_si512(widen16(x + i))));
+    _mm512_storeu_ps(out + i, flush_denormal(_mm512_castps_si512(vload_bf16(x + i))));
 }
 
 /* Block b of 16 weight rows (``w``: row 0's block, rows ``K`` values apart) as its 16 pairs:
  * pairs[p] lane n = row n's values 2p and 2p + 1 (bits, transposed) */
 static inline void block_pairs(const uint16_t* w, int64_t K, __m512 pairs[16]) {
-  transpose16((const float*)w, K / 2, pairs);
+  vload_transposed((const float*)w, K / 2, pairs);
 }
 
 /* One block's products for ``rows`` rows (``x``: row 0's block, rows ``K`` apart) into C. */
@@ -60,12 +54,11 @@ static inline __attribute__((always_inline)) void block_products(const __m512 pa
                                                                  int rows, __m512* c) {
   __m512 first[ROWS_MAX], second[ROWS_MAX];
   for (int i = 0; i < rows; ++i) first[i] = second[i] = _mm512_setzero_ps();
-  const __m512i high = _mm512_set1_epi32((int)0xFFFF0000), exponent = _mm512_set1_epi16(0x7F80);
+  const __m512i exponent = _mm512_set1_epi16(0x7F80);
   for (int p = 0; p < 16; ++p) { /* each bfloat16 whose exponent is zero made +0 */
     const __m512i raw = _mm512_castps_si512(pairs[p]);
     const __m512i bits = _mm512_maskz_mov_epi16(_mm512_test_epi16_mask(raw, exponent), raw);
-    const __m512 wf = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
-    const __m512 ws = _mm512_castsi512_ps(_mm512_and_si512(bits, high));
+    const __m512 wf = vbf16_low(_mm512_castsi512_ps(bits)), ws = vbf16_high(_mm512_castsi512_ps(bits));
     for (int i = 0; i < rows; ++i) {
       first[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * K + 2 * p]), wf, first[i]);
       second[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * K + 2 * p + 1]), ws, second[i]);
@@ -85,13 +78,13 @@ typedef struct {
 
 /* write_tile's operations on one row's 16 features ``v`` (outputs n0 .. n0 + 15 of row m) */
 static inline void finish_row(__m512 v, int64_t m, int64_t n0, const epilogue* e) {
-  v = _mm512_add_ps(v, e->bias ? widen16(e->bias + n0) : _mm512_setzero_ps());
+  v = _mm512_add_ps(v, e->bias ? vload_bf16(e->bias + n0) : _mm512_setzero_ps());
   if (e->out32) {
     _mm512_storeu_ps(e->out32 + m * e->ldo + n0, v);
     return;
   }
   if (e->residual)
-    v = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(bf16_round(v), 16)), widen16(e->residual + m * e->N + n0));
+    v = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(bf16_round(v), 16)), vload_bf16(e->residual + m * e->N + n0));
   _mm256_storeu_si256((__m256i*)(e->out + m * e->N + n0), _mm512_cvtepi32_epi16(bf16_round(v)));
 }
 
@@ -137,7 +130,7 @@ static void transpose_rows(const float* xf, int64_t M, int64_t K, float* xt) {
       for (int i = 0; i < 16; ++i)
         for (int j = 0; j < 16; ++j) block[16 * i + j] = 16 * r + i < M ? xf[(16 * r + i) * K + k0 + j] : 0.0f;
       __m512 col[16];
-      transpose16(block, 16, col);
+      vload_transposed(block, 16, col);
       for (int j = 0; j < 16; ++j) _mm512_storeu_ps(xt + (r * K + k0 + j) * 16, col[j]);
     }
 }
@@ -169,11 +162,8 @@ static void group_rows_as_lanes(const float* xt, const uint16_t* w, int64_t n0, 
     for (int j = 0; j < 16; ++j) c[j] = _mm512_setzero_ps();
     for (int64_t k0 = 0; k0 < K; k0 += 32)
       for (int q = 0; q < 4; ++q) four_features(wf + 4 * q * K, xt + r * K * 16, K, k0, c + 4 * q);
-    float sums[256] __attribute__((aligned(64)));
-    for (int j = 0; j < 16; ++j) _mm512_store_ps(sums + 16 * j, c[j]);
-    __m512 rows[16]; /* [row] lanes: features */
-    transpose16(sums, 16, rows);
-    for (int64_t i = 0; i < 16 && 16 * r + i < M; ++i) finish_row(rows[i], 16 * r + i, n0, e);
+    vtranspose(c); /* now [row] lanes: features */
+    for (int64_t i = 0; i < 16 && 16 * r + i < M; ++i) finish_row(c[i], 16 * r + i, n0, e);
   }
 }
 
