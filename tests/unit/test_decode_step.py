@@ -19,7 +19,7 @@ from xlserve.models.llama import LlamaForCausalLM
 BUILDS = [isa for isa in portable_library.available_isas() if portable_library.library(isa) is not None]
 TAKEN = bool(BUILDS)  # on AVX-512 CPUs too: its steps come after the AVX-512 one-call layer (bf16 dense only)
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
-PROMPTS = [list(range(3, 3 + n)) for n in (5, 40, 17, 2)]
+PROMPTS = [list(range(3, 3 + n)) for n in (5, 40, 17, 2, 9)]  # 5 rows: the threads share them 3 + 2
 
 
 def _reference_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
