@@ -38,6 +38,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "bf16.h"
+#include "scratch.h"
 #include "vec_portable.h"
 
 #define KT 16      /* keys per tile: one rescale of the running sum per tile */
@@ -340,20 +341,17 @@ static int64_t row_blocks(const int64_t* row_seq, int64_t T, int64_t rows_per_it
   return count;
 }
 
+/* This thread's scratch for items of up to ``states`` (row, head) pairs (kept for its next call). */
 static scratch scratch_for(int64_t states, int64_t D, int64_t span) {
   scratch s;
-  s.qf = (float*)aligned_alloc(64, sizeof(float) * states * D);
-  s.acc = (float*)aligned_alloc(64, sizeof(float) * states * D);
-  s.pacc = (float*)aligned_alloc(64, sizeof(float) * states * D);
-  s.kt = (float*)aligned_alloc(64, sizeof(float) * KT * span);
-  s.vt = (float*)aligned_alloc(64, sizeof(float) * KT * span);
-  s.st = (running_softmax*)malloc(sizeof(running_softmax) * states);
-  s.pst = (running_softmax*)malloc(sizeof(running_softmax) * states);
+  s.qf = (float*)xl_kept(0, sizeof(float) * states * D);
+  s.acc = (float*)xl_kept(1, sizeof(float) * states * D);
+  s.pacc = (float*)xl_kept(2, sizeof(float) * states * D);
+  s.kt = (float*)xl_kept(3, sizeof(float) * KT * span);
+  s.vt = (float*)xl_kept(4, sizeof(float) * KT * span);
+  s.st = (running_softmax*)xl_kept(5, sizeof(running_softmax) * states);
+  s.pst = (running_softmax*)xl_kept(6, sizeof(running_softmax) * states);
   return s;
-}
-
-static void free_scratch(scratch* s) {
-  free(s->qf), free(s->acc), free(s->pacc), free(s->kt), free(s->vt), free(s->st), free(s->pst);
 }
 
 /* The layout of a call's work: KV heads read side by side, row blocks, and per block its
@@ -423,7 +421,8 @@ void xl_paged_attention_windowed(const void* q, int64_t q_stride, int64_t T, int
   plan p = plan_for(&base, table_pos0, row_seq, T, Hk, threads);
   const int64_t states = p.states, size = 2 * states + states * D; /* a stored partial's floats */
   float* parts = p.split ? (float*)malloc(sizeof(float) * p.items * p.runs * size) : NULL;
-#pragma omp parallel num_threads(threads)
+  /* one item (a decode row of under CHUNK keys): no team to wake for it */
+#pragma omp parallel num_threads(threads) if (p.items * p.runs > 1)
   {
     scratch s = scratch_for(states, D, p.kvh * D);
 #pragma omp for schedule(dynamic, 1)
@@ -444,7 +443,6 @@ void xl_paged_attention_windowed(const void* q, int64_t q_stride, int64_t T, int
                     size, &s);
       }
     }
-    free_scratch(&s);
   }
   free(parts);
   free(p.first_item);

@@ -226,34 +226,40 @@ void xl_linear_amx_quant(int base, const float* x, const uint8_t* w, float* out,
   if (!xl_amx_quant_ready()) abort(); /* never: the layout is chosen for this kernel where it says 1 */
   const int64_t blocks = K / 32, groups = N / 16, padded = (M + 15) / 16 * 16;
   const int64_t group_bytes = blocks * 16 * block_bytes(base);
-  uint32_t* a = (uint32_t*)xl_scratch(sizeof(uint32_t) * 16 * (size_t)(padded * blocks));
-  float* s = (float*)xl_scratch(sizeof(float) * (size_t)(M * blocks));
-  if (padded > M) memset(a + M * blocks * 16, 0, sizeof(uint32_t) * 16 * (size_t)((padded - M) * blocks));
+  /* Up to 4 rows each thread pairs them itself (a few hundred instructions a row) and the groups
+   * start without a barrier: the one-call decode step's C part at 1 row, one process, 12
+   * alternating rounds (2-core AMX Xeon), median 1.046x faster; pairing 8 rows twice was 0.98x. */
+  const int own_pairs = M <= 4;
+  uint32_t* a = own_pairs ? NULL : (uint32_t*)xl_kept(0, sizeof(uint32_t) * 16 * (size_t)(padded * blocks));
+  float* s = own_pairs ? NULL : (float*)xl_kept(1, sizeof(float) * (size_t)(M * blocks));
+  if (!own_pairs && padded > M) memset(a + M * blocks * 16, 0, sizeof(uint32_t) * 16 * (size_t)((padded - M) * blocks));
 #pragma omp parallel num_threads(threads)
   {
+    uint32_t* my_a = own_pairs ? (uint32_t*)xl_kept(2, sizeof(uint32_t) * 16 * (size_t)(M * blocks)) : a;
+    float* my_s = own_pairs ? (float*)xl_kept(3, sizeof(float) * (size_t)(M * blocks)) : s;
+    if (own_pairs)
+      for (int64_t m = 0; m < M; ++m) pair_row(base, x + m * K, blocks, my_a + m * blocks * 16, my_s + m * blocks);
+    else {
 #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; ++m) pair_row(base, x + m * K, blocks, a + m * blocks * 16, s + m * blocks);
-    uint32_t* bt = (uint32_t*)xl_scratch(2048);
-    float* cb = (float*)xl_scratch(4096);
-    float* sums = M > 16 ? (float*)xl_scratch(sizeof(float) * 16 * PASS_ROWS) : NULL;
+      for (int64_t m = 0; m < M; ++m) pair_row(base, x + m * K, blocks, a + m * blocks * 16, s + m * blocks);
+    }
+    uint32_t* bt = (uint32_t*)xl_kept(4, 2048);
+    float* cb = (float*)xl_kept(5, 4096);
+    float* sums = M > 16 ? (float*)xl_kept(6, sizeof(float) * 16 * PASS_ROWS) : NULL;
     configure(M > 16 ? 16 : (int)M);
     for (int64_t m0 = 0; m0 < M; m0 += PASS_ROWS) { /* a pass's activation pairs stay in L2 */
       const int64_t rows = M - m0 < PASS_ROWS ? M - m0 : PASS_ROWS;
-#pragma omp for schedule(static)
+      /* no barrier between passes: each writes its own rows (the region's end waits for all) */
+#pragma omp for schedule(static) nowait
       for (int64_t gi = 0; gi < groups; ++gi) {
         const uint8_t* g = w + gi * group_bytes;
-        if (M > 16) group_tiles(base, g, a + m0 * blocks * 16, s + m0 * blocks, rows, blocks, out + m0 * ldo + 16 * gi,
-                                ldo, bt, cb, sums);
-        else group_rows(base, g, a, s, (int)M, blocks, out + 16 * gi, ldo, bt, cb);
+        if (M > 16) group_tiles(base, g, my_a + m0 * blocks * 16, my_s + m0 * blocks, rows, blocks,
+                                out + m0 * ldo + 16 * gi, ldo, bt, cb, sums);
+        else group_rows(base, g, my_a, my_s, (int)M, blocks, out + 16 * gi, ldo, bt, cb);
       }
     }
     _tile_release();
-    free(bt);
-    free(cb);
-    free(sums);
   }
-  free(a);
-  free(s);
 }
 #else
 int xl_amx_quant_ready(void) { return 0; }
