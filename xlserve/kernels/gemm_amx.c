@@ -31,7 +31,7 @@
 #include <string.h>
 
 #include "amx_tiles.h"
-#include "vec_math.h"
+#include "tile_epilogue.h"
 #include "vec_portable.h"
 
 /* 1 when the process may use AMX tiles (asks the kernel on first call). */
@@ -70,11 +70,9 @@ static uint32_t* pair_interleave(const uint16_t* x, int64_t M, int64_t K, int64_
   return xb;
 }
 
-static inline __m512 widen16(const uint16_t* p) { return widen_bf16(_mm256_loadu_si256((const __m256i*)p)); }
-
 /* One C tile (16 features x 16 rows, fp32) -> out rows [m0, m0 + 16) x features [n0, n0 + 16)
- * in bf16: + bias, rounded; + residual, rounded again (xl_linear_bf16's rounding); or, with
- * ``out32``, the fp32 sums as they are (the logits). From 3 rows the tile is transposed in
+ * through tile_epilogue.h's finish_row (bf16 ``out`` + bias, rounded, + residual, rounded
+ * again; or, with ``out32``, the fp32 sums + bias), which the twin runs too. From 3 rows the tile is transposed in
  * registers (64 shuffles, as pair_interleave transposes whole row blocks), so each output row
  * is one store. With a gather per row and a scalar interleave, 30 layers of the default
  * model's bf16 shapes at 512 rows took 81 ms on a 2-core AMX Xeon (minimum of 5); now 65
@@ -91,18 +89,8 @@ static void write_tile(const float* c, int64_t n0, int64_t m0, int64_t M, int64_
     for (int64_t j = 0; j < rows; ++j)
       col[j] = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32((int)j)), c, 4);
   }
-  const __m512 b = bias ? widen16(bias + n0) : _mm512_setzero_ps();
-  for (int64_t j = 0; j < rows; ++j) {
-    __m512 v = _mm512_add_ps(col[j], b);
-    if (out32) {
-      _mm512_storeu_ps(out32 + (m0 + j) * ldo + n0, v);
-      continue;
-    }
-    if (residual) {
-      v = _mm512_add_ps(widen_bf16(round_bf16(v)), widen16(residual + (m0 + j) * N + n0));
-    }
-    _mm256_storeu_si256((__m256i*)(out + (m0 + j) * N + n0), round_bf16(v));
-  }
+  const epilogue e = {bias, residual, out, out32, N, ldo};
+  for (int64_t j = 0; j < rows; ++j) finish_row(col[j], m0 + j, n0, &e);
 }
 
 /* Two feature blocks x two row blocks: tmm0-3 accumulate, tmm4-5 hold W, tmm6-7 x. */

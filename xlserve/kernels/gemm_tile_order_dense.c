@@ -16,8 +16,7 @@
  * Below 16 rows the lanes are 16 output features: a block of 16 weight rows is transposed in
  * registers (64 shuffles) into its 16 pairs, once for a pass of up to ROWS_MAX activation rows,
  * each pair feeding two FMAs a row. From 16 rows they are 16 activation rows (ROW_LANES_MIN,
- * below). The epilogue is gemm_amx.c's write_tile, per row: + bias (zero when none), then the
- * fp32 sums or, rounded to bfloat16 as vcvtneps2bf16 rounds, + residual and rounded again.
+ * below). The epilogue is the tiles' own, per row (tile_epilogue.h).
  * Against the fp32 kernel it replaces under --deterministic (gemm_quant.c:xl_linear_dense), 30
  * layers of the default model's bf16 shapes on the AMX Xeon capped at avx512-bf16, minimum of 5
  * in one process: 1 row 16.8 against 15.3 ms, 16 rows 36.8 against 28.1, 32 rows 45.9 against
@@ -27,7 +26,7 @@
 #include <stdlib.h>
 
 #include "scratch.h"
-#include "tile_blocks.h" /* built with cpu_ops.py's flags: AVX512F and AVX512BW */
+#include "tile_epilogue.h" /* built with cpu_ops.py's flags: AVX512F and AVX512BW */
 
 /* rows a pass takes: their first and second sums and C, 24 registers at 8 */
 #define ROWS_MAX 8
@@ -65,27 +64,6 @@ static inline __attribute__((always_inline)) void block_products(const __m512 pa
     }
   }
   for (int i = 0; i < rows; ++i) c[i] = _mm512_add_ps(c[i], _mm512_add_ps(first[i], second[i]));
-}
-
-/* Where the sums go: bf16 ``out`` [M, N] (+ ``bias``, rounded, + ``residual``, rounded) or, with
- * ``out32``, the fp32 sums + bias, rows ``ldo`` apart. */
-typedef struct {
-  const uint16_t *bias, *residual;
-  uint16_t* out;
-  float* out32;
-  int64_t N, ldo;
-} epilogue;
-
-/* write_tile's operations on one row's 16 features ``v`` (outputs n0 .. n0 + 15 of row m) */
-static inline void finish_row(__m512 v, int64_t m, int64_t n0, const epilogue* e) {
-  v = _mm512_add_ps(v, e->bias ? vload_bf16(e->bias + n0) : _mm512_setzero_ps());
-  if (e->out32) {
-    _mm512_storeu_ps(e->out32 + m * e->ldo + n0, v);
-    return;
-  }
-  if (e->residual)
-    v = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(bf16_round(v), 16)), vload_bf16(e->residual + m * e->N + n0));
-  _mm256_storeu_si256((__m256i*)(e->out + m * e->N + n0), _mm512_cvtepi32_epi16(bf16_round(v)));
 }
 
 /* Features n0 .. n0 + 15 of rows m0 .. m0 + rows - 1, every block of K; inlined for each row
