@@ -23,8 +23,10 @@ static inline void finish_row(__m512 v, int64_t m, int64_t n0, const epilogue* e
     _mm512_storeu_ps(e->out32 + m * e->ldo + n0, v);
     return;
   }
-  if (e->residual)
-    v = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(bf16_round(v), 16)), vload_bf16(e->residual + m * e->N + n0));
+  if (e->residual) {
+    const __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_round(v), 16));
+    v = _mm512_add_ps(rounded, vload_bf16(e->residual + m * e->N + n0));
+  }
   _mm256_storeu_si256((__m256i*)(e->out + m * e->N + n0), _mm512_cvtepi32_epi16(bf16_round(v)));
 }
 #endif
