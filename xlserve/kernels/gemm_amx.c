@@ -74,9 +74,9 @@ static uint32_t* pair_interleave(const uint16_t* x, int64_t M, int64_t K, int64_
  * through tile_epilogue.h's finish_row (bf16 ``out`` + bias, rounded, + residual, rounded
  * again; or, with ``out32``, the fp32 sums + bias), which the twin runs too. From 3 rows the
  * tile is transposed in registers (64 shuffles, as pair_interleave transposes whole row
- * blocks), so each output row is one store. With a gather per row and a scalar interleave, 30 layers of the default
- * model's bf16 shapes at 512 rows took 81 ms on a 2-core AMX Xeon (minimum of 5); now 65
- * (oneDNN's: 43). */
+ * blocks), so each output row is one store. With a gather per row and a scalar interleave,
+ * 30 layers of the default model's bf16 shapes at 512 rows took 81 ms on a 2-core AMX Xeon
+ * (minimum of 5); now 65 (oneDNN's: 43). */
 static void write_tile(const float* c, int64_t n0, int64_t m0, int64_t M, int64_t N, int64_t ldo,
                        const uint16_t* bias, const uint16_t* residual, uint16_t* out, float* out32) {
   const int64_t rows = M - m0 < 16 ? M - m0 : 16;

@@ -22,8 +22,8 @@ static inline void* xl_kept(int slot, size_t bytes) {
   } kept[8];
   if (kept[slot].size < bytes) {
     free(kept[slot].data);
-    kept[slot].size = (bytes + 63) & ~(size_t)63;
-    kept[slot].data = aligned_alloc(64, kept[slot].size);
+    kept[slot].data = xl_scratch(bytes);
+    kept[slot].size = bytes;
   }
   return kept[slot].data;
 }

@@ -197,12 +197,13 @@ static inline void vsums(const vf* v, int n, float* s) {
   for (; i < n; ++i) s[i] = vsum(v[i]);
 }
 
-/* VW values of a row in the activation dtype (fp32, or bf16 when ``bf16``) as fp32 lanes, and back */
 /* VW rows of VW fp32 values at ``in`` (``stride`` values apart), transposed: r[j] = column j */
 static inline void vload_transposed(const float* in, int64_t stride, vf* r) {
   for (int i = 0; i < VW; ++i) r[i] = vload(in + stride * i);
   vtranspose(r);
 }
+
+/* VW values of a row in the activation dtype (fp32, or bf16 when ``bf16``) as fp32 lanes, and back */
 static inline vf load_lanes(const void* p, int64_t i, int bf16) {
   return bf16 ? vload_bf16((const uint16_t*)p + i) : vload((const float*)p + i);
 }
