@@ -34,5 +34,8 @@ static inline void load_tiles(int count, const uint8_t* rows) {
     cfg.rows[t] = rows[t];
     cfg.colsb[t] = 64;
   }
-  _tile_loadconfig(&cfg);
+  /* Not _tile_loadconfig: GCC 12's declares a read of 8 bytes, so after inlining it dropped the
+   * stores of rows and colsb as dead and ldtilecfg faulted on what was on the stack (seen in a
+   * benchmark built around this file). The operand below is all 64 bytes. */
+  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
 }
