@@ -130,6 +130,20 @@ def test_the_twin_and_the_tiles_give_the_same_bits(qtype):
     assert torch.equal(_product(AMX, qtype, data[:32], xb), tile_order_reference(qtype, data[:32], xb))
 
 
+
+@has_amx
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_the_tiles_pipeline_at_every_pair_count(qtype):
+    """Up to 16 rows the tile kernel makes block pair p + 1's B tiles and scales pair p - 1 while
+    pair p's products run: one pair (k 64), two, three, an even and an odd count, each at 1 and
+    5 rows, against the model of the order."""
+    n = 32
+    for k in (64, 128, 192, 256, 576):
+        data = random_rows(qtype, n, k, seed=k + int(qtype))
+        x = torch.randn(5, k).bfloat16().float()
+        for m in (1, 5):
+            assert torch.equal(_product(AMX, qtype, data, x[:m]), tile_order_reference(qtype, data, x[:m])), (k, m)
+
 ANSWERS = """
 import json
 from xlserve import LLM, SamplingParams

@@ -37,11 +37,9 @@
  * One row without the tiles, the tile product's arithmetic in vector FMAs (the twin,
  * gemm_tile_order.c, the same bits): kept for Q8_0 up to 3 rows (gemm_quant.c: tiles_take),
  * where making its B tiles through fp32 costs the most; for Q4 level with the tiles or slower.
- * Tried, not kept: the passes of up to 16 rows as a software pipeline over block pairs (the
- * next pair's B tiles made and this pair's product issued before the pair before is scaled,
- * from two buffers each, as tile registers are not renamed): 30 layers' Q4_1 shapes at 1-8
- * rows 10-17% faster in the runs where the core was ours, 3-9% slower in the slow ones; the
- * same for more than 16 rows 3-12% slower at 17-32 rows, 4-9% faster at 64-128.
+ * Up to 16 rows Q4 runs as a software pipeline over block pairs (group_rows); past 16 rows the
+ * same (the next pair's B tiles made while this pair's products run, stored after them) was
+ * level at 17-64 rows (30 layers' Q4_1 shapes, minimum of 13 interleaved).
  *
  * Batch invariance: a row's sums in a tile product depend on its own pairs and the block alone,
  * not on the tile's other rows or how many it has (tested alone against batched); the fp32
@@ -119,12 +117,11 @@ static inline void block_tile(int base, const uint8_t* g, uint32_t* tile) {
   }
 }
 
-/* A group's blocks b and b + 1 against ``rows`` activation rows (pairs ``a``, sums ``s``, rows
- * ``blocks`` apart): the tile products into ``cb`` (two [rows, 16] sums), B tiles from ``bt``.
- * row_tile_pairs below with the B tiles loaded before it, as group_tiles does, would be this
- * with two = 0, but it was 7-8% slower at 1 and 8 rows (30 layers' Q4_1 shapes, minimum of 15
- * interleaved): here the A tiles load first. */
-static inline void block_pair(const uint32_t* a, int64_t blocks, int64_t b, const uint32_t* bt, float* cb) {
+/* A group's blocks b and b + 1 against ``rows`` activation rows (pairs ``a``, rows ``blocks``
+ * apart): the tile products into C0 and C1, B tiles from ``bt``; pair_sums stores them. This is
+ * row_tile_pairs with two = 0 but for the B tiles, loaded here after the A tiles: loaded before
+ * it, as group_tiles does, was 7-8% slower at 1 and 8 rows (30 layers' Q4_1 shapes). */
+static inline void pair_products(const uint32_t* a, int64_t blocks, int64_t b, const uint32_t* bt) {
   _tile_zero(TILE_C0);
   _tile_zero(TILE_C1);
   _tile_loadd(TILE_A0, a + 16 * b, blocks * 64);
@@ -133,31 +130,79 @@ static inline void block_pair(const uint32_t* a, int64_t blocks, int64_t b, cons
   _tile_loadd(TILE_B1, bt + 256, 64);
   _tile_dpbf16ps(TILE_C0, TILE_A0, TILE_B0);
   _tile_dpbf16ps(TILE_C1, TILE_A1, TILE_B1);
+}
+
+/* pair_products' sums into ``cb`` (two [rows, 16]). */
+static inline void pair_sums(float* cb) {
   _tile_stored(TILE_C0, cb, 64);
   _tile_stored(TILE_C1, cb + 256, 64);
 }
 
+/* Block pair b, b + 1's products for ``rows`` activation rows, scaled into ``acc``: its sums in
+ * ``cb`` (two [rows, 16]), its scales from the weights at ``p``. */
+static inline void scale_pair(int base, const uint8_t* p, int gb, int rows, __m512* acc, const float* cb,
+                              const float* s, int64_t blocks, int64_t b) {
+  __m512 d16[2], c[2];
+  block_scales(base, p, &d16[0], &c[0]);
+  block_scales(base, p + gb, &d16[1], &c[1]);
+  for (int i = 0; i < rows; ++i) {
+    acc[i] = scale_sums(base, acc[i], d16[0], c[0], _mm512_load_ps(cb + 16 * i), s[i * blocks + b]);
+    acc[i] = scale_sums(base, acc[i], d16[1], c[1], _mm512_load_ps(cb + 256 + 16 * i), s[i * blocks + b + 1]);
+  }
+}
+
+/* Block pair b, b + 1's B tiles at ``bt`` (512 words), prefetching ahead. */
+static inline void pair_tiles(int base, const uint8_t* p, int gb, uint32_t* bt) {
+  for (int o = 0; o < 2 * gb; o += 64) prefetch_ahead(p + o);
+  block_tile(base, p, bt);
+  block_tile(base, p + gb, bt + 256);
+}
+
 /* One group of 16 weight rows (``blocks`` even) against ``rows`` <= 16 activation rows: their
- * 16 outputs each at out + i * ldo. Sums per row in registers. */
-static void group_rows(int base, const uint8_t* g, const uint32_t* a, const float* s, int rows, int64_t blocks,
-                       float* out, int64_t ldo, uint32_t* bt, float* cb) {
+ * 16 outputs each at out + i * ldo, sums per row in registers. Q8_0's pairs one at a time. */
+static void group_rows_serial(int base, const uint8_t* g, const uint32_t* a, const float* s, int rows,
+                              int64_t blocks, float* out, int64_t ldo, uint32_t* bt, float* cb) {
   const int gb = 16 * block_bytes(base);
   __m512 acc[16];
   for (int i = 0; i < rows; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; b += 2) {
-    const uint8_t* p = g + b * gb;
-    for (int o = 0; o < 2 * gb; o += 64) prefetch_ahead(p + o);
-    block_tile(base, p, bt);
-    block_tile(base, p + gb, bt + 256);
-    block_pair(a, blocks, b, bt, cb);
-    __m512 d16[2], c[2];
-    block_scales(base, p, &d16[0], &c[0]);
-    block_scales(base, p + gb, &d16[1], &c[1]);
-    for (int i = 0; i < rows; ++i) {
-      acc[i] = scale_sums(base, acc[i], d16[0], c[0], _mm512_load_ps(cb + 16 * i), s[i * blocks + b]);
-      acc[i] = scale_sums(base, acc[i], d16[1], c[1], _mm512_load_ps(cb + 256 + 16 * i), s[i * blocks + b + 1]);
-    }
+    pair_tiles(base, g + b * gb, gb, bt);
+    pair_products(a, blocks, b, bt);
+    pair_sums(cb);
+    scale_pair(base, g + b * gb, gb, rows, acc, cb, s, blocks, b);
   }
+  for (int i = 0; i < rows; ++i) _mm512_storeu_ps(out + i * ldo, acc[i]);
+}
+
+/* The same for Q4_0 / Q4_1 as a software pipeline over block pairs (tile registers are not
+ * renamed): while pair p's products run, pair p + 1's B tiles are made into the other of two
+ * buffers and pair p - 1's sums scaled from the other of two sum buffers, and only then are
+ * pair p's sums stored, so neither the vector work nor the tiles wait for the other: the same
+ * operations per row in the same order. 30 layers of the default model's Q4_1 shapes, 2-core
+ * AMX Xeon, minimum of 15 interleaved in one process: 1 row 3.60 -> 2.87 ms, 4 rows 3.82 ->
+ * 3.19, 8 rows 4.39 -> 4.15, 16 rows 6.06 -> 5.95; the one-call decode step at 1 row 3.37 ->
+ * 2.69 ms (median of 16 alternating rounds). Where the sums are stored decides it: right after
+ * the products, before the vector work, the pipeline measured level with pairs one at a time
+ * (one thread, one layer in L2, 1 row: 26.6 against 24.7 ns a block; stored last, 16.3). Q8_0's
+ * B tiles are vector-bound to make (about 9 instructions a tile row against Q4's 2): its head
+ * (49,152 x 576) pipelined was 0.94x at 4-16 rows (median of 41 alternating), so it keeps
+ * pairs one at a time. */
+static void group_rows(int base, const uint8_t* g, const uint32_t* a, const float* s, int rows, int64_t blocks,
+                       float* out, int64_t ldo, uint32_t* bt, float* cb) {
+  if (base == Q8_0) return group_rows_serial(base, g, a, s, rows, blocks, out, ldo, bt, cb);
+  const int gb = 16 * block_bytes(base);
+  __m512 acc[16];
+  for (int i = 0; i < rows; ++i) acc[i] = _mm512_setzero_ps();
+  pair_tiles(base, g, gb, bt);
+  for (int64_t b = 0; b < blocks; b += 2) {
+    const int odd = (b / 2) & 1;
+    pair_products(a, blocks, b, bt + 512 * odd);
+    if (b + 2 < blocks) pair_tiles(base, g + (b + 2) * gb, gb, bt + 512 * !odd);
+    if (b > 0) scale_pair(base, g + (b - 2) * gb, gb, rows, acc, cb + 512 * !odd, s, blocks, b - 2);
+    pair_sums(cb + 512 * odd);
+  }
+  const int odd = ((blocks - 2) / 2) & 1;
+  scale_pair(base, g + (blocks - 2) * gb, gb, rows, acc, cb + 512 * odd, s, blocks, blocks - 2);
   for (int i = 0; i < rows; ++i) _mm512_storeu_ps(out + i * ldo, acc[i]);
 }
 
@@ -201,9 +246,7 @@ static void group_tiles(int base, const uint8_t* g, const uint32_t* a, const flo
   memset(sums, 0, sizeof(float) * 16 * (size_t)M);
   for (int64_t b = 0; b < blocks; b += 2) {
     const uint8_t* p = g + b * gb;
-    for (int o = 0; o < 2 * gb; o += 64) prefetch_ahead(p + o);
-    block_tile(base, p, bt);
-    block_tile(base, p + gb, bt + 256);
+    pair_tiles(base, p, gb, bt);
     __m512 d16[2], c[2];
     block_scales(base, p, &d16[0], &c[0]);
     block_scales(base, p + gb, &d16[1], &c[1]);
@@ -246,7 +289,7 @@ void xl_linear_amx_quant(int base, const float* x, const uint8_t* w, float* out,
 #pragma omp for schedule(static)
       for (int64_t m = 0; m < M; ++m) pair_row(base, x + m * K, blocks, a + m * blocks * 16, s + m * blocks);
     }
-    uint32_t* bt = (uint32_t*)xl_kept(4, 2048);
+    uint32_t* bt = (uint32_t*)xl_kept(4, 4096); /* two pairs' B tiles (group_rows' pipeline) */
     float* cb = (float*)xl_kept(5, 4096);
     float* sums = M > 16 ? (float*)xl_kept(6, sizeof(float) * 16 * PASS_ROWS) : NULL;
     configure(M > 16 ? 16 : (int)M);
