@@ -20,7 +20,8 @@ BUILDS = {isa: portable_library.library(isa) for isa in portable_library.availab
 TWINS = [isa for isa, lib in BUILDS.items() if lib is not None and lib.xl_tile_order_ready()
          and not lib.xl_amx_quant_ready()]
 AMX = BUILDS.get(portable_library.ISA.AMX)
-has_amx = pytest.mark.skipif(AMX is None or not AMX.xl_amx_quant_ready(), reason="no AMX tiles here")
+AMX_READY = AMX is not None and bool(AMX.xl_amx_quant_ready())
+has_amx = pytest.mark.skipif(not AMX_READY, reason="no AMX tiles here")
 QTYPES = [BlockType.Q4_0, BlockType.Q4_1, BlockType.Q8_0]
 PAIRED = [0, 4, 1, 5, 2, 6, 3, 7]  # a Q4 block's pair 4j + t: values 8j + t and 8j + 4 + t
 
@@ -130,8 +131,7 @@ def test_the_twin_and_the_tiles_give_the_same_bits(qtype):
     assert torch.equal(_product(AMX, qtype, data[:32], xb), tile_order_reference(qtype, data[:32], xb))
 
 
-
-TILE_ORDER_BUILDS = ([portable_library.ISA.AMX] if AMX is not None and AMX.xl_amx_quant_ready() else []) + TWINS
+TILE_ORDER_BUILDS = ([portable_library.ISA.AMX] if AMX_READY else []) + TWINS
 
 
 @pytest.mark.skipif(not TILE_ORDER_BUILDS, reason="no AVX-512 build with AVX512BW here")
@@ -149,6 +149,7 @@ def test_every_block_pair_count_in_the_tile_order(qtype):
             for m in (1, 5):
                 assert torch.equal(_product(BUILDS[isa], qtype, data, x[:m]),
                                    tile_order_reference(qtype, data, x[:m])), (isa, k, m)
+
 
 ANSWERS = """
 import json
