@@ -113,3 +113,26 @@ def test_windows_and_sinks_match_torch_and_cut_tiles_by_position(isa, dtype, win
     later = attention_ops.paged_attention(lib, q, k_cache, v_cache, cut.contiguous(), row_seq,
                                           row_len - starts[row_seq], scale, row_first - starts[row_seq], starts, sinks)
     assert torch.equal(later, got)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_bf16_rows_get_the_same_bits_on_every_build_with_keys_in_place_or_copied(shape):
+    """bf16 scores are summed in the AMX tile product's order on every build (the tiles where the
+    CPU has them, FMAs in that order elsewhere), so a prompt computed on an AMX Xeon decodes on an
+    AMD Zen 4 as on one machine. On the tiles a key tile is read in place when its 16 keys are one
+    aligned block's slots, else copied: both give the same bits (the same keys laid out both ways)."""
+    hq, hk, d = shape
+    q, k_cache, v_cache, table, row_seq, row_len = _step(torch.bfloat16, hq, hk, d, torch.Generator().manual_seed(d))
+    scattered = [attention_ops.paged_attention(portable_library.library(isa), q, k_cache, v_cache, table, row_seq,
+                                               row_len, d ** -0.5) for isa in BUILDS]
+    for isa, out in zip(BUILDS, scattered):
+        assert torch.equal(out, scattered[0]), isa.value
+    # every table's entries moved to consecutive slots from a multiple of 16: whole blocks
+    width = (table.shape[1] + 15) // 16 * 16
+    aligned = torch.arange(table.shape[0] * width).reshape(table.shape[0], width)[:, :table.shape[1]].contiguous()
+    k_aligned, v_aligned = (torch.zeros(table.shape[0] * width, hk, d, dtype=torch.bfloat16) for _ in range(2))
+    k_aligned[aligned.flatten()], v_aligned[aligned.flatten()] = k_cache[table.flatten()], v_cache[table.flatten()]
+    for isa in BUILDS:
+        in_place = attention_ops.paged_attention(portable_library.library(isa), q, k_aligned, v_aligned, aligned,
+                                                 row_seq, row_len, d ** -0.5)
+        assert torch.equal(in_place, scattered[0]), isa.value

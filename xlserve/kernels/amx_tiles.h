@@ -1,5 +1,5 @@
-/* AMX tile state shared by the tile kernels (gemm_amx.c, gemm_amx_quant.c). Built where the
- * compiler targets AMX (-mamx-tile). */
+/* AMX tile state shared by the tile kernels (gemm_amx.c, gemm_amx_quant.c, attention_tiles.h).
+ * Built where the compiler targets AMX (-mamx-tile). */
 #pragma once
 #include <immintrin.h>
 #include <stdint.h>
