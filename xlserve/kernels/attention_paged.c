@@ -73,31 +73,38 @@ static const running_softmax EMPTY = {-INFINITY, 0.0f};
  * do not take) are summed the same way. Two of those runs at a time: four chains a pair. Each
  * pair's operations and their order do not depend on G: the pairs only share the loads of the
  * keys and interleave their chains. */
+/* Runs R (1 or 2) of P value pairs from d0, their chains a[g][2 r + parity], added to sum in order
+ * (constant R and P: the loops unroll, no bound checks). */
+#define DOT_RUNS(G, R, P)                                                                                      \
+  {                                                                                                            \
+    vf a[G][2 * R][KT / VW];                                                                                   \
+    for (int g = 0; g < G; ++g)                                                                                \
+      for (int c = 0; c < 2 * R; ++c)                                                                          \
+        for (int j = 0; j < KT / VW; ++j) a[g][c][j] = vzero();                                                \
+    for (int p = 0; p < P; ++p)                                                                                \
+      for (int j = 0; j < KT / VW; ++j)                                                                        \
+        for (int c = 0; c < 2 * R; ++c) {                                                                      \
+          const int64_t d = d0 + 32 * (c / 2) + 2 * p + c % 2;                                                 \
+          const vf k = vload(kt + d * KT + j * VW);                                                            \
+          for (int g = 0; g < G; ++g) a[g][c][j] = vfma(vset1(qf[g * D + d]), k, a[g][c][j]);                 \
+        }                                                                                                      \
+    for (int g = 0; g < G; ++g)                                                                                \
+      for (int j = 0; j < KT / VW; ++j)                                                                        \
+        for (int r = 0; r < R; ++r) sum[g][j] = vadd(sum[g][j], vadd(a[g][2 * r][j], a[g][2 * r + 1][j]));  \
+  }
+
 #define TILE_DOTS(G)                                                                                           \
   static inline void tile_dots_##G(const float* qf, const float* kt, int64_t D, float scale, float s[G][KT]) { \
     vf sum[G][KT / VW];                                                                                        \
     for (int g = 0; g < G; ++g)                                                                                \
       for (int j = 0; j < KT / VW; ++j) sum[g][j] = vzero();                                                   \
-    for (int64_t d0 = 0; d0 < D; d0 += 64) {                                                                   \
-      const int64_t left = D - d0, runs = left > 32 ? 2 : 1, pairs = left >= 32 ? 16 : left / 2;              \
-      vf a[G][4][KT / VW]; /* [run][parity]: even and odd values of 32 */                                     \
-      for (int g = 0; g < G; ++g)                                                                              \
-        for (int c = 0; c < 4; ++c)                                                                            \
-          for (int j = 0; j < KT / VW; ++j) a[g][c][j] = vzero();                                              \
-      for (int64_t p = 0; p < pairs; ++p)                                                                      \
-        for (int j = 0; j < KT / VW; ++j)                                                                      \
-          for (int c = 0; c < 2 * runs; ++c) {                                                                 \
-            const int64_t d = d0 + 32 * (c / 2) + 2 * p + c % 2;                                               \
-            if (d >= D) continue; /* the second run of a last 48 values is 16 */                               \
-            const vf k = vload(kt + d * KT + j * VW);                                                          \
-            for (int g = 0; g < G; ++g) a[g][c][j] = vfma(vset1(qf[g * D + d]), k, a[g][c][j]);               \
-          }                                                                                                    \
-      for (int g = 0; g < G; ++g)                                                                              \
-        for (int j = 0; j < KT / VW; ++j) {                                                                    \
-          sum[g][j] = vadd(sum[g][j], vadd(a[g][0][j], a[g][1][j]));                                           \
-          if (runs == 2) sum[g][j] = vadd(sum[g][j], vadd(a[g][2][j], a[g][3][j]));                            \
-        }                                                                                                      \
+    int64_t d0 = 0;                                                                                            \
+    for (; d0 + 64 <= D; d0 += 64) DOT_RUNS(G, 2, 16)                                                          \
+    if (D - d0 >= 32) {                                                                                        \
+      DOT_RUNS(G, 1, 16)                                                                                       \
+      d0 += 32;                                                                                                \
     }                                                                                                          \
+    if (D - d0 == 16) DOT_RUNS(G, 1, 8)                                                                        \
     for (int g = 0; g < G; ++g)                                                                                \
       for (int j = 0; j < KT / VW; ++j) vstore(s[g] + j * VW, vmul(sum[g][j], vset1(scale)));                  \
   }
