@@ -75,9 +75,10 @@ typedef struct {
 } attention_args;
 
 /* A thread's: the item's queries, results and chunk partials ([states, D] each), and a tile; on
- * the tiles' path the queries as tiles (qt), a tile's copied keys (kb) and its scores (sc). */
+ * the tiles' path the queries as tiles (qt), a tile's copied keys (kb), its score tiles as stored
+ * (so) and each state's scores (sc). */
 typedef struct {
-  float *qf, *acc, *pacc, *kt, *vt, *sc;
+  float *qf, *acc, *pacc, *kt, *vt, *sc, *so;
   running_softmax *st, *pst;
   uint32_t* qt;
   uint16_t* kb;
@@ -89,7 +90,7 @@ typedef struct {
 #define amx_permitted() 0
 #define configure_score_tiles() ((void)0)
 #define make_query_tiles(a, w, qt) ((void)0)
-#define tile_scores(a, w, j0, n, qt, kb, sc) ((void)0)
+#define tile_scores(a, w, j0, n, qt, kb, so, sc) ((void)0)
 #define _tile_release() ((void)0)
 #endif
 
@@ -174,7 +175,7 @@ static void fold_chunk(const attention_args* a, const work_item* w, int64_t c, s
     j1 = j0 + KT - (a->pos0 + j0) % KT;
     j1 = j1 < end ? j1 : end;
     gather_tile(a, w, j0, (int)(j1 - j0), s->kt, s->vt);
-    if (a->tiles) tile_scores(a, w, j0, (int)(j1 - j0), s->qt, s->kb, s->sc);
+    if (a->tiles) tile_scores(a, w, j0, (int)(j1 - j0), s->qt, s->kb, s->so, s->sc);
     for (int64_t r = 0; r < w->rows; ++r) {
       const int64_t first = a->row_first ? a->row_first[w->row + r] : 0, len = a->row_len[w->row + r];
       const int64_t lo = first > j0 ? first : j0, hi = len < j1 ? len : j1;
@@ -272,9 +273,11 @@ static int64_t row_blocks(const int64_t* row_seq, int64_t T, int64_t rows_per_it
 static scratch scratch_for(int64_t states, int64_t D, int64_t kvh) {
   const int64_t span = kvh * D, query_tiles = states / kvh / 16 + 1; /* a KV head's, at most */
   const size_t qt = sizeof(uint32_t) * 256 * kvh * query_tiles * (D / 32), kb = 2 * KT * span;
-  char* tiles = (char*)xl_kept(7, qt + kb + sizeof(float) * states * KT);
+  const size_t so = sizeof(float) * 256 * kvh * query_tiles;
+  char* tiles = (char*)xl_kept(7, qt + kb + so + sizeof(float) * states * KT);
   scratch s;
-  s.qt = (uint32_t*)tiles, s.kb = (uint16_t*)(tiles + qt), s.sc = (float*)(tiles + qt + kb);
+  s.qt = (uint32_t*)tiles, s.kb = (uint16_t*)(tiles + qt), s.so = (float*)(tiles + qt + kb);
+  s.sc = (float*)(tiles + qt + kb + so);
   s.qf = (float*)xl_kept(0, sizeof(float) * states * D);
   s.acc = (float*)xl_kept(1, sizeof(float) * states * D);
   s.pacc = (float*)xl_kept(2, sizeof(float) * states * D);

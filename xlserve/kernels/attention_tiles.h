@@ -88,11 +88,10 @@ static inline void scatter_columns(const float* s, int64_t cols, int64_t n0, int
  * (lanes past n: whatever the zero or next rows give; the folds never read them). Each KV head's
  * query tiles in turn: one score tile, D / 32 products into it (``C + (first + second)`` each). */
 static void tile_scores(const attention_args* a, const work_item* w, int64_t j0, int n, const uint32_t* qt,
-                        uint16_t* kb, float* sc) {
+                        uint16_t* kb, float* tiles_out, float* sc) {
   const int64_t D = a->D, dc = D / 32, per_head = w->rows * a->group, tiles = (per_head + 15) / 16;
   int64_t stride;
   const uint16_t* keys = key_rows(a, w, j0, n, kb, &stride);
-  float s[KT * 16];
   for (int64_t h = 0; h < w->kvh; ++h)
     for (int64_t t = 0; t < tiles; ++t) {
       _tile_zero(TILE_S);
@@ -101,8 +100,13 @@ static void tile_scores(const attention_args* a, const work_item* w, int64_t j0,
         _tile_loadd(TILE_Q, qt + ((h * tiles + t) * dc + c) * 256, 64);
         _tile_dpbf16ps(TILE_S, TILE_K, TILE_Q);
       }
-      _tile_stored(TILE_S, s, 64);
+      _tile_stored(TILE_S, tiles_out + (h * tiles + t) * 256, 64);
+    }
+  /* read back once every tile is stored: a vector load right after the tile store of its line
+   * waits for that store */
+  for (int64_t h = 0; h < w->kvh; ++h)
+    for (int64_t t = 0; t < tiles; ++t) {
       const int64_t cols = per_head - 16 * t < 16 ? per_head - 16 * t : 16;
-      scatter_columns(s, cols, 16 * t, h, a->group, w->heads, a->scale, sc);
+      scatter_columns(tiles_out + (h * tiles + t) * 256, cols, 16 * t, h, a->group, w->heads, a->scale, sc);
     }
 }
