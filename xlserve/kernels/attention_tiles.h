@@ -5,8 +5,8 @@
  * A key tile's K rows are the A operand as they lie in the cache (16 keys of one block, one
  * 64-byte tile row a key and 32 values), the item's queries the B operand (made once per item:
  * 16 queries a tile, a value pair a lane), so nothing is transposed per key tile: the FMA path
- * transposes every key of every tile into lanes, and that gather was ~18% of the default model's
- * 32-sequence decode step. Each score is one tile product's element: its sum runs over D in the
+ * transposes every key of every tile into lanes, and that gather was ~18% of the C part of the
+ * default model's 32-sequence decode step (perf). Each score is one tile product's element: its sum runs over D in the
  * same order whatever the key's row in the tile, the query's column, or the tile's other rows
  * and columns, so a row's scores keep their bits alone, batched or chunked, as the FMA path's do.
  *
@@ -33,9 +33,9 @@ static void make_query_tiles(const attention_args* a, const work_item* w, uint32
   for (int64_t h = 0; h < w->kvh; ++h)
     for (int64_t n = 0; n < per_head; ++n) {
       const int64_t r = n / a->group, head = w->head + h * a->group + n % a->group;
-      const uint32_t* pairs = (const uint32_t*)((const uint16_t*)a->q + (w->row + r) * a->q_stride + head * D);
+      const uint16_t* values = (const uint16_t*)a->q + (w->row + r) * a->q_stride + head * D;
       uint32_t* tile = qt + (h * tiles + n / 16) * dc * 256 + n % 16;
-      for (int64_t p = 0; p < D / 2; ++p) tile[(p / 16) * 256 + (p % 16) * 16] = pairs[p];
+      for (int64_t p = 0; p < D / 2; ++p) memcpy(tile + (p / 16) * 256 + (p % 16) * 16, values + 2 * p, 4);
     }
 }
 
@@ -61,8 +61,8 @@ static const uint16_t* key_rows(const attention_args* a, const work_item* w, int
 }
 
 /* The columns [0, cols) of a stored score tile s (16 keys x 16 queries: queries n0 .. n0 + cols - 1
- * of KV head h) as their states' rows of sc, scaled. A few columns (a decode row's queries) are
- * gathered; more are transposed, 4 shuffles a column instead of a gather's 16 loads. */
+ * of KV head h) as their states' rows of sc, scaled: a decode row's few columns gathered, more
+ * (a prompt's) by a 16 x 16 transpose. */
 static inline void scatter_columns(const float* s, int64_t cols, int64_t n0, int64_t h, int64_t group, int64_t heads,
                                    float scale, float* sc) {
   const vf by = vset1(scale);
@@ -85,7 +85,7 @@ static inline void scatter_columns(const float* s, int64_t cols, int64_t n0, int
 }
 
 /* Scores of keys [j0, j0 + n) for every state of the item: sc[k * KT + i] = scale * q_k . K[j0 + i]
- * (lanes past n: whatever the zero or next rows give; the folds never read them). Each KV head's
+ * (lanes past n: the copied zero rows' 0, which the folds never read). Each KV head's
  * query tiles in turn: one score tile, D / 32 products into it (``C + (first + second)`` each). */
 static void tile_scores(const attention_args* a, const work_item* w, int64_t j0, int n, const uint32_t* qt,
                         uint16_t* kb, float* tiles_out, float* sc) {
