@@ -6,9 +6,10 @@
  * 64-byte tile row a key and 32 values), the item's queries the B operand (made once per item:
  * 16 queries a tile, a value pair a lane), so nothing is transposed per key tile: the FMA path
  * transposes every key of every tile into lanes, and that gather was ~18% of the C part of the
- * default model's 32-sequence decode step (perf). Each score is one tile product's element: its sum runs over D in the
- * same order whatever the key's row in the tile, the query's column, or the tile's other rows
- * and columns, so a row's scores keep their bits alone, batched or chunked, as the FMA path's do.
+ * default model's 32-sequence decode step (perf). Each score is one tile product's element: its
+ * sum runs over D in the same order whatever the key's row in the tile, the query's column, or
+ * the tile's other rows and columns, so a row's scores keep their bits alone, batched or chunked,
+ * as the FMA path's do.
  *
  * Queries of an item: for each of its KV heads h, queries n = r * group + g (row r, query head g
  * of that KV head) are tile t = n / 16's column n % 16; their states k = r * heads + h * group + g.
@@ -60,6 +61,11 @@ static const uint16_t* key_rows(const attention_args* a, const work_item* w, int
   return kb;
 }
 
+/* The state of KV head h's query n (row n / group, query head n % group of that KV head). */
+static inline int64_t query_state(int64_t n, int64_t h, int64_t group, int64_t heads) {
+  return n / group * heads + h * group + n % group;
+}
+
 /* The columns [0, cols) of a stored score tile s (16 keys x 16 queries: queries n0 .. n0 + cols - 1
  * of KV head h) as their states' rows of sc, scaled: a decode row's few columns gathered, more
  * (a prompt's) by a 16 x 16 transpose. */
@@ -69,19 +75,14 @@ static inline void scatter_columns(const float* s, int64_t cols, int64_t n0, int
   if (cols <= 4) {
     const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                             _mm512_set1_epi32(16));
-    for (int64_t c = 0; c < cols; ++c) {
-      const int64_t n = n0 + c, k = n / group * heads + h * group + n % group;
-      vstore(sc + k * KT, vmul(_mm512_i32gather_ps(rows, s + c, 4), by));
-    }
+    for (int64_t c = 0; c < cols; ++c)
+      vstore(sc + query_state(n0 + c, h, group, heads) * KT, vmul(_mm512_i32gather_ps(rows, s + c, 4), by));
     return;
   }
   vf r[16];
   for (int i = 0; i < 16; ++i) r[i] = vload(s + 16 * i);
   vtranspose(r);
-  for (int64_t c = 0; c < cols; ++c) {
-    const int64_t n = n0 + c, k = n / group * heads + h * group + n % group;
-    vstore(sc + k * KT, vmul(r[c], by));
-  }
+  for (int64_t c = 0; c < cols; ++c) vstore(sc + query_state(n0 + c, h, group, heads) * KT, vmul(r[c], by));
 }
 
 /* Scores of keys [j0, j0 + n) for every state of the item: sc[k * KT + i] = scale * q_k . K[j0 + i]
