@@ -5,10 +5,13 @@ alone and batched (bf16 logits of this model tie exactly now and then), so there
 must agree up to the first position where the eager run's two best tokens are within
 bf16 rounding of each other."""
 
+import contextlib
+
 import pytest
 
 from xlserve import LLM, SamplingParams
 from xlserve.kernels import cpu_ops
+from xlserve.layers.quantized import Part
 
 CHATS = [[{"role": "user", "content": q}] for q in (
     "What is the capital of France?", "Write a haiku about the sea.",
@@ -32,7 +35,8 @@ def test_greedy_with_kernels_equals_eager(dtype, batched):
     fast_outs = _run(llm, params, batched)
     cpu_ops.set_enabled(False)
     try:
-        eager_outs = _run(llm, params, batched)
+        with dequantized_once():
+            eager_outs = _run(llm, params, batched)
     finally:
         cpu_ops.set_enabled(True)
     fast, eager = [o.token_ids for o in fast_outs], [o.token_ids for o in eager_outs]
@@ -43,6 +47,25 @@ def test_greedy_with_kernels_equals_eager(dtype, batched):
               for f, e in zip(fast_outs, eager_outs)]
     assert [f[:k] for f, k in zip(fast, agreed)] == [e[:k] for e, k in zip(eager, agreed)]
     assert sum(agreed) >= 32  # a good part of the 128 tokens is compared: the check cannot pass vacuously
+
+
+@contextlib.contextmanager
+def dequantized_once():
+    """The eager path dequantizes a kept weight before each matmul (``Part.dense``): the same
+    values every time, so each part's are kept for the run here: the four cases took 193 s
+    (batch 1 in bf16 alone 101 s) and take 28 s."""
+    dense, held = Part.dense, {}
+
+    def once(part: Part, k: int):
+        kept = held.get(id(part.data))
+        if kept is None or kept[0] is not part.data:  # (a temporary's rows: the embedding's lookups)
+            kept = held[id(part.data)] = (part.data, dense(part, k))
+        return kept[1]
+    Part.dense = once
+    try:
+        yield
+    finally:
+        Part.dense = dense
 
 
 def _before_first_near_tie(logprobs, gap=0.13) -> int:
