@@ -46,25 +46,30 @@ def test_tokenizer_and_chat_template_identical(hf, llm):
 
 
 def _hf_greedy(model, ids, n):
-    """Plain greedy with the KV cache, running past EOS like ignore_eos does."""
-    tokens = []
+    """Plain greedy with the KV cache, running past EOS like ignore_eos does: the tokens and
+    each one's logprob."""
+    tokens, logprobs = [], []
     with torch.no_grad():
         out = model(torch.tensor([ids]), use_cache=True)
         for _ in range(n):
             tokens.append(int(out.logits[0, -1].argmax()))
+            logprobs.append(float(torch.log_softmax(out.logits[0, -1].float(), -1)[tokens[-1]]))
             out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
-    return tokens
+    return tokens, logprobs
 
 
 def test_greedy_chat_continuations_match_transformers(hf, llm):
     """transformers dequantizes the file's weights; the default keeps them as stored and
-    computes the same values with fp32 activations."""
+    computes the same values with fp32 activations: the same tokens, and each one's logprob
+    within float32 summation order of transformers'."""
     hf_tok, model = hf
-    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=0)
     outs = llm.chat(CHATS, params)
     for chat, out in zip(CHATS, outs):
-        ids = llm.tokenizer.encode_chat(chat)
-        assert out.outputs[0].token_ids == _hf_greedy(model, ids, 32)
+        tokens, logprobs = _hf_greedy(model, llm.tokenizer.encode_chat(chat), 32)
+        assert out.outputs[0].token_ids == tokens
+        # the same values up to the summation order (1.2e-5 at most measured)
+        assert max(abs(a["logprob"] - b) for a, b in zip(out.outputs[0].logprobs, logprobs)) < 1e-4
 
 
 def test_greedy_identical_batched_chunked_cached_preempted(llm):
