@@ -118,9 +118,12 @@ def test_a_json_schema_answer_is_the_same_with_proposals():
 
 
 def _batched_and_alone(llm, work) -> list:
-    """For each (prompts, params) of ``work``: the answers' tokens batched, then one at a time."""
-    return [[[o.outputs[0].token_ids for o in llm.generate(ids, params)],
-             [llm.generate([p], params)[0].outputs[0].token_ids for p in ids]] for ids, params in work]
+    """For each (prompts, params) of ``work``: the answers batched, then one at a time, each as
+    its tokens and, where the params ask for them, their logprobs."""
+    def answer(out):
+        return out.token_ids, [entry["logprob"] for entry in out.logprobs or []]
+    return [[[answer(o.outputs[0]) for o in llm.generate(ids, params)],
+             [answer(llm.generate([p], params)[0].outputs[0]) for p in ids]] for ids, params in work]
 
 
 def test_tool_calls_are_the_same_with_chained_proposals():
@@ -150,13 +153,15 @@ def test_tool_calls_are_the_same_with_chained_proposals():
 @pytest.fixture(scope="module")
 def default_answers():
     """The default model without proposals, in its default configuration: tool calls under
-    the forced-call grammar and free text, batched and one at a time."""
+    the forced-call grammar (without logprobs, so the rows the grammar decides skip the head)
+    and free text with each token's logprob, which a checking row gives with the same bits,
+    batched and one at a time."""
     from xlserve.bench.spec_bench import tool_call_grammar, workloads
     with LLM("default") as llm:
         prompts = workloads(llm.tokenizer, 4)
         work = [(prompts["tool_calls"], SamplingParams(max_tokens=40, temperature=0,
                                                        guided=tool_call_grammar(llm.tokenizer))),
-                (prompts["free_text"], SamplingParams(max_tokens=40, temperature=0))]
+                (prompts["free_text"], SamplingParams(max_tokens=40, temperature=0, logprobs=0))]
         return work, _batched_and_alone(llm, work)
 
 
