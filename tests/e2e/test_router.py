@@ -29,10 +29,15 @@ def _client(url):
 
 def test_pd_greedy_equals_colocated_streamed_and_not(cluster):
     kw = dict(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0)
-    colocated = _client(cluster["d"]).chat.completions.create(**kw).choices[0].message.content
-    raw = _client(cluster["router"]).chat.completions.with_raw_response.create(**kw)
+    alone = _client(cluster["d"]).chat.completions.create(**kw, logprobs=True).choices[0]
+    colocated = alone.message.content
+    raw = _client(cluster["router"]).chat.completions.with_raw_response.create(**kw, logprobs=True)
     routed = raw.parse()
     assert routed.choices[0].message.content == colocated
+    # the same values: the decode worker continues from the prefill worker's KV as from its own (in
+    # float32 not the same bits: a prompt prefilled whole or after a prefix hit differs by ~2e-7)
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(routed.choices[0].logprobs.content,
+                                                          alone.logprobs.content)) < 1e-4
     assert raw.headers["x-xlserve-served-by"] == f"prefill={cluster['p']}, decode={cluster['d']}"
     raw_stream = _client(cluster["router"]).chat.completions.with_raw_response.create(
         stream=True, stream_options={"include_usage": True}, **kw)
