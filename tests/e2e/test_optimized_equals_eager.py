@@ -1,10 +1,9 @@
 """Speed work changes no output: greedy tokens with every CPU kernel on equal the plain
 eager torch path on the real default model. Exactly in float32 (and logprobs within the
-summation order's 1e-4). In bfloat16 a different
-summation order can flip a near-tie, as it does in eager torch itself between a request
-alone and batched (bf16 logits of this model tie exactly now and then), so there the runs
-must agree up to the first position where the eager run's two best tokens are within
-bf16 rounding of each other."""
+summation order's 1e-4). In bfloat16 a different summation order can flip a near-tie, as it
+does in eager torch itself between a request alone and batched (bf16 logits of this model
+tie exactly now and then), so there the runs must agree up to the first position where the
+eager run's two best tokens are within bf16 rounding of each other."""
 
 import contextlib
 
