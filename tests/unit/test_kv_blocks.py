@@ -9,7 +9,7 @@ import pytest
 from xlserve import LLM, SamplingParams
 from xlserve.engine.kv_blocks import KVPayload
 
-GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=0)
 PROMPT = list(range(20, 90))  # 70 tokens: 4 full blocks of 16
 
 
@@ -30,6 +30,13 @@ def test_exported_blocks_give_a_prefix_hit_and_identical_output(tiny_llama_dir):
     out = decode.generate(PROMPT, GREEDY)[0]
     assert out.cached_tokens == 64
     assert out.outputs[0].token_ids == colocated.outputs[0].token_ids
+    # the imported blocks hold the exported bytes: the bits of the prefill engine's own prefix hit
+    local = prefill.generate(PROMPT, GREEDY)[0]
+    assert local.cached_tokens == 64 and _logprobs(out) == _logprobs(local)
+
+
+def _logprobs(out) -> list[float]:
+    return [entry["logprob"] for entry in out.outputs[0].logprobs]
 
 
 def test_export_stops_at_the_first_missing_block(tiny_llama_dir):

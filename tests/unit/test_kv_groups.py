@@ -64,7 +64,7 @@ def test_a_generation_many_windows_long_keeps_pool_use_bounded_and_equals_transf
 def test_windowed_blocks_hand_off_and_give_a_prefix_hit(tiny_model_dirs):
     path = tiny_model_dirs["gemma3"]
     prompt = list(range(20, 90))  # 70 tokens: 17 full blocks of 4
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
     colocated = LLM(path, dtype="float32", block_size=4, kv_cache_tokens=1024).generate(prompt, params)[0]
     prefill, decode = (LLM(path, dtype="float32", block_size=4, kv_cache_tokens=1024) for _ in range(2))
     prefill.generate(prompt, SamplingParams(max_tokens=1, temperature=0))
@@ -78,6 +78,9 @@ def test_windowed_blocks_hand_off_and_give_a_prefix_hit(tiny_model_dirs):
     out = decode.generate(prompt, params)[0]
     assert out.cached_tokens == 68
     assert out.outputs[0].token_ids == colocated.outputs[0].token_ids
+    local = prefill.generate(prompt, params)[0]  # the same bits as the prefill engine's own prefix hit
+    assert local.cached_tokens == 68
+    assert [e["logprob"] for e in out.outputs[0].logprobs] == [e["logprob"] for e in local.outputs[0].logprobs]
     grant = prefill.engine.kv.pin(hashes, seconds=60)
     assert prefill.engine.kv.export_pinned(grant.pin_id, grant.secret, hashes[:17]).data == payload.data
     with pytest.raises(PermissionError, match="window"):  # the window at block 10 was not pinned

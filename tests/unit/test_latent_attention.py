@@ -6,7 +6,7 @@ import torch
 
 from xlserve import LLM, SamplingParams
 
-GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
 PROMPT = list(range(20, 90))  # 70 tokens: 4 full blocks of 16
 
 
@@ -41,6 +41,9 @@ def test_latent_blocks_exported_and_imported_give_the_same_output(tiny_model_dir
     out = decode.generate(PROMPT, GREEDY)[0]
     assert out.cached_tokens == 64
     assert out.outputs[0].token_ids == colocated.outputs[0].token_ids
+    local = prefill.generate(PROMPT, GREEDY)[0]  # the same bits as the prefill engine's own prefix hit
+    assert local.cached_tokens == 64
+    assert [e["logprob"] for e in out.outputs[0].logprobs] == [e["logprob"] for e in local.outputs[0].logprobs]
 
 
 def test_absorbed_decode_equals_expanded_attention(tiny_model_dirs):
