@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from xlserve.openai.pricing import PriceTable
+from xlserve.router.connections import sse_lines
 from xlserve.router.pool import FOREIGN_LIMITS
 
 TOOLS = [{"type": "function", "function": {
@@ -65,7 +66,7 @@ async def stream_request(client: httpx.AsyncClient, url: str, path: str, body: d
     async with client.stream("POST", f"{url}{path}", json=body, headers=headers or {}) as r:
         if r.status_code != 200:
             return TurnResult(0, [], 0, 0, 0, 0, error=f"HTTP {r.status_code}"), ""
-        async for line in r.aiter_lines():
+        async for line in sse_lines(r):
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])

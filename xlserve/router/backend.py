@@ -30,6 +30,7 @@ import httpx
 
 from xlserve.openai.errors import ApiError
 from xlserve.router.backend_probe import BackendInfo, probe_backend
+from xlserve.router.connections import sse_lines
 from xlserve.router.faults import WorkerFailed, error_of
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ def cached_tokens_of(body: dict) -> int | None:
 async def sse_events(response: httpx.Response) -> AsyncIterator[dict]:
     """The JSON events of an OpenAI-style event stream, until ``[DONE]`` or its end; an
     ``error`` event raises (a server fault: ``WorkerFailed``)."""
-    async for line in response.aiter_lines():
+    async for line in sse_lines(response):
         if not line.startswith("data:"):
             continue
         data = line[5:].strip()

@@ -49,3 +49,21 @@ async def streamed(http: httpx.AsyncClient, method: str, url: str, on_abandoned=
         yield response
     finally:
         await response.aclose()
+
+
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The lines of an event stream, ended where the SSE format ends one (CRLF, LF or CR) and
+    nowhere else. httpx's ``aiter_lines`` also ends a line at U+2028, U+2029, U+0085 and
+    U+001C-U+001E (``str.splitlines``), and a JSON string may hold the first three raw: a
+    decode worker's token with one of them cut its event in two, and the router answered 500."""
+    pending = b""
+    async for chunk in response.aiter_bytes():
+        pending += chunk
+        # a CR last may be the first half of a CRLF: it waits for the next chunk
+        ready, held = (pending[:-1], b"\r") if pending.endswith(b"\r") else (pending, b"")
+        *lines, rest = ready.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+        pending = rest + held
+        for line in lines:
+            yield line.decode("utf-8", "replace")
+    if pending:
+        yield pending.rstrip(b"\r").decode("utf-8", "replace")

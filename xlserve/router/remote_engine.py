@@ -27,7 +27,7 @@ from xlserve.hashing import block_hashes
 from xlserve.openai.engine_client import EngineBusy, EngineClient, RequestFailed, RequestStream
 from xlserve.router import background
 from xlserve.router.admission_gate import AdmissionGate
-from xlserve.router.connections import streamed
+from xlserve.router.connections import sse_lines, streamed
 from xlserve.router.faults import NoWorker, WorkerFailed, describe, error_of
 from xlserve.router.index import PrefixIndex
 from xlserve.router.kv_pin import PinnedKV
@@ -331,10 +331,13 @@ class RemoteEngine(EngineClient):
                     raise refusal(worker, r.status_code, await r.aread())
                 admitted = True
                 first_event = True
-                async for line in r.aiter_lines():
+                async for line in sse_lines(r):
                     if not line.startswith("data: {"):
                         continue
-                    raw = json.loads(line[6:])
+                    try:
+                        raw = json.loads(line[6:])
+                    except ValueError as e:
+                        raise WorkerFailed(f"malformed stream event: {line[:80]!r}") from e
                     if "error" in raw:
                         raise worker_error(raw["error"], r.status_code)
                     try:
