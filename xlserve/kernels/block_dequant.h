@@ -12,15 +12,12 @@
 #define VPB (32 / VW) /* vectors per 32-value block */
 
 #if defined(__AVX512F__)
-/* 16 bytes -> 16 lanes */
-static inline void u8_lanes(__m128i b, vf* out) { out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
+/* 16 signed bytes -> 16 lanes */
 static inline void i8_lanes(__m128i b, vf* out) { out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)); }
 #else
-/* 16 bytes -> 2 x 8 lanes */
-static inline void u8_lanes(__m128i b, vf* out) {
-  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
-  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
-}
+/* 8 bytes -> 8 int32 lanes, widened straight from memory (vpmovzxbd with a memory operand) */
+static inline __m256i u8x8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+/* 16 signed bytes -> 2 x 8 lanes */
 static inline void i8_lanes(__m128i b, vf* out) {
   out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
   out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
@@ -119,7 +116,9 @@ static inline void regs_q4_0(const uint8_t* b, vf* w) {
  * kernel calls it with scales it converted beforehand */
 static inline vf q4_1_table(float d, float m) { return vadd(vmul(vset1(d), nibble_values()), vset1(m)); }
 
-static inline void regs_q4_1(const uint8_t* b, vf* w) { nibble_lookup(b + 4, q4_1_table(half(b), half(b + 2)), w); }
+static inline void regs_q4_1_with(const uint8_t* b, float d, float m, vf* w) {
+  nibble_lookup(b + 4, q4_1_table(d, m), w);
+}
 
 /* Q4_K sub-block j's 16 possible values, ds_j * v - dm_j (the reference's operations). */
 static inline vf q4_k_table(float d, float dmin, const uint8_t* sc, const uint8_t* mn, int j) {
@@ -205,15 +204,22 @@ static inline void regs_q4_0(const uint8_t* b, vf* w) {
   for (int v = 0; v < VPB; ++v) w[v] = vmul(d, w[v]);
 }
 
-static inline void regs_q4_1(const uint8_t* b, vf* w) {
-  const vf d = vset1(half(b)), m = vset1(half(b + 2));
-  const __m128i q = _mm_loadu_si128((const __m128i*)(b + 4)), mask = _mm_set1_epi8(15);
-  u8_lanes(_mm_and_si128(q, mask), w);
-  u8_lanes(_mm_and_si128(_mm_srli_epi16(q, 4), mask), w + VPB / 2);
-  for (int v = 0; v < VPB; ++v) w[v] = vadd(vmul(d, w[v]), m);
+/* Q4_1 with 8 values per vector: value i is the low nibble of byte i, value i + 16 its high
+ * one, so two 8-byte widenings from memory give all four vectors (a mask, a shift), where a
+ * 16-byte load split into nibble bytes, each half widened in two steps, took 5 instructions
+ * more (gemm_quant.c's LOOKUP_MICRO has the measurement). */
+static inline void regs_q4_1_with(const uint8_t* b, float d, float m, vf* w) {
+  const __m256i low4 = _mm256_set1_epi32(15), lo = u8x8(b + 4), hi = u8x8(b + 12);
+  const __m256i q[4] = {_mm256_and_si256(lo, low4), _mm256_and_si256(hi, low4), _mm256_srli_epi32(lo, 4),
+                        _mm256_srli_epi32(hi, 4)};
+  for (int v = 0; v < VPB; ++v) w[v] = vadd(vmul(vset1(d), _mm256_cvtepi32_ps(q[v])), vset1(m));
 }
 
 #endif
+
+/* Q4_1, d * q + m with the reference's operations; gemm_quant.c's 1-8 row kernels pass scales
+ * they converted beforehand */
+static inline void regs_q4_1(const uint8_t* b, vf* w) { regs_q4_1_with(b, half(b), half(b + 2), w); }
 
 /* BF16: 32 raw bfloat16 values, widened exactly (the bits shifted into a float32's high half). */
 static inline void regs_bf16(const uint8_t* b, vf* w) {

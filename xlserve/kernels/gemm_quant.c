@@ -201,8 +201,7 @@ static void multiply_tile(const float* tile, int rows, const float* x, int64_t M
     store_sums(acc[0], MR, NW, rows, out, ldo);                                                 \
   }
 
-#if defined(__AVX512F__)
-/* Q4_1 by lookup (block_dequant.h) for 1-4 rows, each block's float16 scales converted first,
+/* Q4_1 for 1-4 rows (AVX2: 1-2), each block's float16 scales converted first,
  * a chunk of blocks of the tile's rows at a time, into fp32 on the stack: the lookup table is
  * then a multiply and an add whose scale operands the instructions broadcast from memory
  * themselves, where scales converted in place cost two vector broadcasts per block and weight
@@ -210,7 +209,12 @@ static void multiply_tile(const float* tile, int rows, const float* x, int64_t M
  * gate/up shape, 4 copies so that no cache holds it (368640 x 576 Q4_1), 2-core Zen 4 EPYC,
  * minimum of 20, 3 interleaved runs: 1 row 7.22-7.29 -> 5.77 ms, 2 rows 8.73-8.79 -> 7.49-7.50,
  * 3 rows 10.37-10.43 -> 9.46-9.49, 4 rows 12.15-12.25 -> 11.41-12.34; 6 and 8 rows lose
- * (16.9 -> 18.3, 22.0 -> 23.6), as does Q4_0 from 3 rows (one broadcast per block there). */
+ * (16.9 -> 18.3, 22.0 -> 23.6), as does Q4_0 from 3 rows (one broadcast per block there).
+ * AVX2 (its values widened from memory, block_dequant.h) took the same scales, with them
+ * 22 instructions a block and weight row where converting in place and splitting a 16-byte
+ * load took 31: on a 2-core Zen 3 EPYC, one process, both builds, 15 rounds interleaved,
+ * median, the default model's 30 layers (138240 x 576 and 17280 x 1536 Q4_1): 1 row 7.98 ->
+ * 6.20 and 2.65 -> 2.00 ms, 2 rows 7.53 -> 5.65 and 2.50 -> 2.00; the same bits. */
 #define SCALE_CHUNK 32
 
 #define LOOKUP_MICRO(T, MR, NW)                                                                    \
@@ -232,19 +236,18 @@ static void multiply_tile(const float* tile, int rows, const float* x, int64_t M
         }                                                                                          \
       for (int j = 0; j < chunk; ++j) {                                                            \
         for (int r = 0; r < NW; ++r) {                                                             \
-          vf wv[2];                                                                                \
+          vf wv[VPB];                                                                              \
           const uint8_t* block = row[r] + (b0 + j) * bytes;                                        \
           prefetch_ahead(block);                                                                   \
-          nibble_lookup(block + 4, T##_table(dm[j][r][0], dm[j][r][1]), wv);                      \
+          regs_##T##_with(block, dm[j][r][0], dm[j][r][1], wv);                                   \
           for (int m = 0; m < MR; ++m)                                                             \
-            for (int v = 0; v < 2; ++v)                                                            \
+            for (int v = 0; v < VPB; ++v)                                                          \
               acc[m][r] = vfma(wv[v], vload(x + m * K + (b0 + j) * 32 + v * VW), acc[m][r]);       \
         }                                                                                          \
       }                                                                                            \
     }                                                                                              \
     store_sums(acc[0], MR, NW, rows, out, ldo);                                                    \
   }
-#endif
 
 typedef void (*regs_fn)(const uint8_t*, int64_t, int, const float*, int64_t, float*, int64_t, int);
 #if REGS_MAX_ROWS == 4
@@ -270,7 +273,8 @@ typedef void (*regs_fn)(const uint8_t*, int64_t, int, const float*, int64_t, flo
 #define WIDE_ROWS REGS_MAX_ROWS
 #define REGS_TYPE(T) \
   REGS_MICRO(T, 1, NR) REGS_MICRO(T, 2, NR) static const regs_fn REGS_##T[3] = {0, regs_##T##_1, regs_##T##_2};
-#define REGS_TYPE_LOOKUP(T) REGS_TYPE(T)
+#define REGS_TYPE_LOOKUP(T)                                                                         \
+  LOOKUP_MICRO(T, 1, NR) LOOKUP_MICRO(T, 2, NR) static const regs_fn REGS_##T[3] = {0, regs_##T##_1, regs_##T##_2};
 #endif
 REGS_TYPE(q8_0) REGS_TYPE(q4_0) REGS_TYPE_LOOKUP(q4_1) REGS_TYPE(bf16)
 
