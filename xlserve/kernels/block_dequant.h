@@ -112,8 +112,7 @@ static inline void regs_q4_0(const uint8_t* b, vf* w) {
   nibble_lookup(b + 2, vmul(vset1(half(b)), vsub(nibble_values(), vset1(8.0f))), w);
 }
 
-/* Q4_1's 16 possible values d * q + m (the reference's operations); gemm_quant.c's 1-4 row
- * kernel calls it with scales it converted beforehand */
+/* Q4_1's 16 possible values d * q + m (the reference's operations) */
 static inline vf q4_1_table(float d, float m) { return vadd(vmul(vset1(d), nibble_values()), vset1(m)); }
 
 static inline void regs_q4_1_with(const uint8_t* b, float d, float m, vf* w) {
@@ -207,7 +206,7 @@ static inline void regs_q4_0(const uint8_t* b, vf* w) {
 /* Q4_1 with 8 values per vector: value i is the low nibble of byte i, value i + 16 its high
  * one, so two 8-byte widenings from memory give all four vectors (a mask, a shift), where a
  * 16-byte load split into nibble bytes, each half widened in two steps, took 5 instructions
- * more (gemm_quant.c's LOOKUP_MICRO has the measurement). */
+ * more (gemm_quant.c's SCALES_AHEAD_MICRO has the measurement). */
 static inline void regs_q4_1_with(const uint8_t* b, float d, float m, vf* w) {
   const __m256i low4 = _mm256_set1_epi32(15), lo = u8x8(b + 4), hi = u8x8(b + 12);
   const __m256i q[4] = {_mm256_and_si256(lo, low4), _mm256_and_si256(hi, low4), _mm256_srli_epi32(lo, 4),

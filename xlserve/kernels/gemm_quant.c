@@ -217,7 +217,7 @@ static void multiply_tile(const float* tile, int rows, const float* x, int64_t M
  * 6.20 and 2.65 -> 2.00 ms, 2 rows 7.53 -> 5.65 and 2.50 -> 2.00; the same bits. */
 #define SCALE_CHUNK 32
 
-#define LOOKUP_MICRO(T, MR, NW)                                                                    \
+#define SCALES_AHEAD_MICRO(T, MR, NW)                                                              \
   static void regs_##T##_##MR(const uint8_t* w, int64_t row_bytes, int bytes, const float* x,      \
                               int64_t K, float* out, int64_t ldo, int rows) {                      \
     vf acc[MR][NW];                                                                                \
@@ -268,15 +268,16 @@ typedef void (*regs_fn)(const uint8_t*, int64_t, int, const float*, int64_t, flo
   static const regs_fn REGS_##T[9] = {0, regs_##T##_1, regs_##T##_2, regs_##T##_3, regs_##T##_4,         \
                                       regs_##T##_5, regs_##T##_6, regs_##T##_7, regs_##T##_8};
 #define REGS_TYPE(T) REGS_TYPE_BY(REGS_MICRO, NR / 2, T)
-#define REGS_TYPE_LOOKUP(T) REGS_TYPE_BY(LOOKUP_MICRO, NR, T)
+#define REGS_TYPE_SCALES_AHEAD(T) REGS_TYPE_BY(SCALES_AHEAD_MICRO, NR, T)
 #else
 #define WIDE_ROWS REGS_MAX_ROWS
 #define REGS_TYPE(T) \
   REGS_MICRO(T, 1, NR) REGS_MICRO(T, 2, NR) static const regs_fn REGS_##T[3] = {0, regs_##T##_1, regs_##T##_2};
-#define REGS_TYPE_LOOKUP(T)                                                                         \
-  LOOKUP_MICRO(T, 1, NR) LOOKUP_MICRO(T, 2, NR) static const regs_fn REGS_##T[3] = {0, regs_##T##_1, regs_##T##_2};
+#define REGS_TYPE_SCALES_AHEAD(T)                                                                      \
+  SCALES_AHEAD_MICRO(T, 1, NR) SCALES_AHEAD_MICRO(T, 2, NR)                                            \
+  static const regs_fn REGS_##T[3] = {0, regs_##T##_1, regs_##T##_2};
 #endif
-REGS_TYPE(q8_0) REGS_TYPE(q4_0) REGS_TYPE_LOOKUP(q4_1) REGS_TYPE(bf16)
+REGS_TYPE(q8_0) REGS_TYPE(q4_0) REGS_TYPE_SCALES_AHEAD(q4_1) REGS_TYPE(bf16)
 
 #if defined(__AVX512F__)
 /* One activation row against one weight row at a time, each thread's rows front to back: for
