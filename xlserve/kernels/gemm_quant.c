@@ -267,16 +267,13 @@ typedef void (*regs_fn)(const uint8_t*, int64_t, int, const float*, int64_t, flo
   MICRO(T, 5, FIVE_NW) MICRO(T, 6, NR / 2) MICRO(T, 7, NR / 2) MICRO(T, 8, NR / 2)                      \
   static const regs_fn REGS_##T[9] = {0, regs_##T##_1, regs_##T##_2, regs_##T##_3, regs_##T##_4,         \
                                       regs_##T##_5, regs_##T##_6, regs_##T##_7, regs_##T##_8};
-#define REGS_TYPE(T) REGS_TYPE_BY(REGS_MICRO, NR / 2, T)
-#define REGS_TYPE_SCALES_AHEAD(T) REGS_TYPE_BY(SCALES_AHEAD_MICRO, NR, T)
 #else
 #define WIDE_ROWS REGS_MAX_ROWS
-#define REGS_TYPE(T) \
-  REGS_MICRO(T, 1, NR) REGS_MICRO(T, 2, NR) static const regs_fn REGS_##T[3] = {0, regs_##T##_1, regs_##T##_2};
-#define REGS_TYPE_SCALES_AHEAD(T)                                                                      \
-  SCALES_AHEAD_MICRO(T, 1, NR) SCALES_AHEAD_MICRO(T, 2, NR)                                            \
-  static const regs_fn REGS_##T[3] = {0, regs_##T##_1, regs_##T##_2};
+#define REGS_TYPE_BY(MICRO, FIVE_NW, T) \
+  MICRO(T, 1, NR) MICRO(T, 2, NR) static const regs_fn REGS_##T[3] = {0, regs_##T##_1, regs_##T##_2};
 #endif
+#define REGS_TYPE(T) REGS_TYPE_BY(REGS_MICRO, NR / 2, T)
+#define REGS_TYPE_SCALES_AHEAD(T) REGS_TYPE_BY(SCALES_AHEAD_MICRO, NR, T)
 REGS_TYPE(q8_0) REGS_TYPE(q4_0) REGS_TYPE_SCALES_AHEAD(q4_1) REGS_TYPE(bf16)
 
 #if defined(__AVX512F__)
