@@ -11,17 +11,17 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.server_process import free_port, running_server, stop, wait_up
+from tests.e2e.server_process import PROCESSES, free_port, running_server, stop, wait_up
 
 PEERS = Path(__file__).parent.parent / "peers"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @contextlib.contextmanager
-def replaying(recording: str, role: str, fail: int = 0, port: int | None = None):
+def replaying(recording: str, role: str, fail: int = 0, port: int | None = None, *flags: str):
     port = port or free_port()
     proc = subprocess.Popen([sys.executable, str(PEERS / "replay_server.py"), "--recording", str(PEERS / recording),
-                             "--role", role, "--port", str(port), "--fail", str(fail)])
+                             "--role", role, "--port", str(port), "--fail", str(fail), *flags])
     url = f"http://127.0.0.1:{port}"
     try:
         wait_up(url, proc, 30, f"{recording} {role} replay")
@@ -135,3 +135,25 @@ def test_all_decodes_failing_after_prefill_is_a_clear_retryable_error():
             _chat(router, max_tokens=4)
         assert e.value.status_code == 503 and "decode" in e.value.message
         assert httpx.get(f"{p}/health").status_code == 200 and _received(d)
+
+
+def _peak_rss_mib(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) / 1024
+
+
+def test_a_decode_server_streaming_a_line_without_end_fails_at_the_bound_and_the_router_stays_small():
+    """Without a bound on a line the router would read the endless line into memory until the
+    client's 30 s timeout; with it the stream fails after 16 MiB (MAX_SSE_LINE_BYTES)."""
+    with replaying("vllm_pd.json", "prefill") as p, \
+            replaying("vllm_pd.json", "decode", 0, None, "--endless-line") as d, \
+            running_server("--prefill", f"vllm-pd+{p}", "--decode", f"vllm-pd+{d}", "--log-level", "warning",
+                           command="router") as router:
+        pid = PROCESSES[router].pid
+        before = _peak_rss_mib(pid)
+        client = openai.OpenAI(base_url=f"{router}/v1", api_key="none", timeout=30, max_retries=0)
+        with pytest.raises(openai.APIStatusError) as e:
+            client.chat.completions.create(model="default", messages=QUESTION, stream=True)
+        assert e.value.status_code == 503 and "decode" in e.value.message  # marked down: the log says why
+        assert _peak_rss_mib(pid) - before < 128
+        assert httpx.get(f"{router}/health").status_code == 200

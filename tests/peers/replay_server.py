@@ -7,6 +7,7 @@ sent (GET /_received), and answers the recorded body or event stream.
     python tests/peers/replay_server.py --recording vllm_pd.json --role decode --port P [--fail 1]
 
 ``--fail N``: the first N generation requests get a 500 (a server that breaks after the prefill).
+``--endless-line``: a stream whose first event never ends its line (a server gone wrong).
 """
 
 import argparse
@@ -31,7 +32,14 @@ def mismatch(expected: dict, got: dict, keys: list[str], forbidden: list[str]) -
     return None
 
 
-def build(recording: dict, role: str, fail: int) -> FastAPI:
+async def endless_line():
+    yield "data: {\"text\": \""
+    while True:
+        yield "x" * 65536
+        await asyncio.sleep(0)
+
+
+def build(recording: dict, role: str, fail: int, endless: bool = False) -> FastAPI:
     app = FastAPI()
     side, received = recording[role], []
     failures = {"left": fail}
@@ -70,6 +78,8 @@ def build(recording: dict, role: str, fail: int) -> FastAPI:
             return JSONResponse({"error": {"message": wrong, "type": "BadRequestError", "code": 400}}, status_code=400)
         if not body.get("stream"):
             return side["json"]
+        if endless:
+            return StreamingResponse(endless_line(), media_type="text/event-stream")
 
         async def events():
             for event in side["events"]:
@@ -89,10 +99,12 @@ def main() -> None:
     parser.add_argument("--role", choices=("prefill", "decode"), required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--fail", type=int, default=0)
+    parser.add_argument("--endless-line", action="store_true")
     args = parser.parse_args()
     with open(args.recording) as f:
         recording = json.load(f)
-    uvicorn.run(build(recording, args.role, args.fail), host="127.0.0.1", port=args.port, log_level="warning")
+    app = build(recording, args.role, args.fail, args.endless_line)
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

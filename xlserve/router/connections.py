@@ -19,6 +19,7 @@ from typing import AsyncIterator, Callable
 import httpx
 
 from xlserve.router import background
+from xlserve.router.faults import WorkerFailed
 
 
 async def open_response(http: httpx.AsyncClient, request: httpx.Request,
@@ -51,19 +52,39 @@ async def streamed(http: httpx.AsyncClient, method: str, url: str, on_abandoned=
         await response.aclose()
 
 
-async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+# An event is one token's delta, or a tool call's arguments at most: far below this. A peer
+# that streams without ever ending a line would otherwise grow the router's memory unbounded.
+MAX_SSE_LINE_BYTES = 16 * 1024 * 1024
+
+
+async def sse_lines(response: httpx.Response, max_line_bytes: int = MAX_SSE_LINE_BYTES) -> AsyncIterator[str]:
     """The lines of an event stream, ended where the SSE format ends one (CRLF, LF or CR) and
     nowhere else. httpx's ``aiter_lines`` also ends a line at U+2028, U+2029, U+0085 and
     U+001C-U+001E (``str.splitlines``), and a JSON string may hold the first three raw: a
-    decode worker's token with one of them cut its event in two, and the router answered 500."""
-    pending = b""
+    decode worker's token with one of them cut its event in two, and the router answered 500.
+    A line longer than ``max_line_bytes`` raises ``WorkerFailed`` (the sender is broken)."""
+    parts: list[bytes] = []  # the line so far, joined only when a chunk may end it: linear time
+    size = 0
     async for chunk in response.aiter_bytes():
-        pending += chunk
+        if b"\n" not in chunk and b"\r" not in chunk and not (parts and parts[-1].endswith(b"\r")):
+            parts.append(chunk)
+            size += len(chunk)
+            _check(size, max_line_bytes, response)
+            continue
+        pending = b"".join(parts) + chunk
         # a CR last may be the first half of a CRLF: it waits for the next chunk
         ready, held = (pending[:-1], b"\r") if pending.endswith(b"\r") else (pending, b"")
         *lines, rest = ready.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
-        pending = rest + held
         for line in lines:
+            _check(len(line), max_line_bytes, response)
             yield line.decode("utf-8", "replace")
+        _check(len(rest), max_line_bytes, response)
+        parts, size = [rest + held], len(rest) + len(held)
+    pending = b"".join(parts)
     if pending:
         yield pending.rstrip(b"\r").decode("utf-8", "replace")
+
+
+def _check(line_bytes: int, max_line_bytes: int, response: httpx.Response) -> None:
+    if line_bytes > max_line_bytes:
+        raise WorkerFailed(f"{response.request.url} sent an event-stream line over {max_line_bytes} bytes")
