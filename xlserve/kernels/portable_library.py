@@ -67,7 +67,6 @@ SIGNATURES = {
     "xl_row_silu_mul": ([P, P, I64, I64, I32, I32], None),
     "xl_decode_step": ([P, I64, I64, I64, P, F32, I64, I64, I64, I64, P, P, P, P, I64, P, F32, I32, I32], None),
     "xl_decode_step_layer_fields": ([], I64),
-    "xl_x16_ready": ([], I32),
     "xl_amx_quant_ready": ([], I32),
     "xl_tile_order_ready": ([], I32),
 }

@@ -42,6 +42,38 @@ static inline float quantize_block32(const float* x, __m512i* q0, __m512i* q1, i
   *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(*q0, *q1));
   return amax / 127.0f;
 }
+
+/* The same into 32 bytes q, in order. */
+static inline float quantize_q8_block(const float* x, int8_t* q, int* sum) {
+  __m512i q0, q1;
+  const float d = quantize_block32(x, &q0, &q1, sum);
+  _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(q0));
+  _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtepi32_epi8(q1));
+  return d;
+}
+#else
+/* The same rule in AVX2 (ggml's AVX2 quantize_row_q8_1): 32 bytes q in order, their sum in
+ * *sum; returns d (not yet rounded to float16). */
+static inline float quantize_q8_block(const float* x, int8_t* q, int* sum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4], m = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i), m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+  __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  const __m256 id = _mm256_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
+  __m256i n[4];
+  for (int i = 0; i < 4; ++i)
+    n[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m256i s = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  s4 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+  *sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 1)));
+  /* the packs work within 128-bit halves: the permute puts the 32 bytes back in order */
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+  _mm256_storeu_si256((__m256i*)q, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  return amax / 127.0f;
+}
 #endif
 
 /* xlserve's own block types, never in a file: Q4_0, Q4_1 and Q8_0 interleaved 16 rows at a
@@ -50,7 +82,6 @@ static inline float quantize_block32(const float* x, __m512i* q0, __m512i* q1, i
 enum { X16 = 256 };
 
 int xl_q8_handles(int type);
-int xl_x16_ready(void);
 void xl_linear_x16(int base, const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K,
                    int64_t ldo, int threads);
 int xl_amx_quant_ready(void);

@@ -213,9 +213,9 @@ def set_activation_bits(model: torch.nn.Module, eight_bit: bool, dtype: torch.dt
     dequantized weights'), or fp32 ones (the dequantized weights' results). CPU kernel only:
     torch's path always computes in fp32. Called once, as the model loads.
 
-    With 8-bit activations on a CPU with AVX512-VNNI, the layers' weights (not the experts',
-    which are views of one stacked tensor) are interleaved 16 rows at a time for the kernel
-    that multiplies 16 rows at once (``dot_q8_x16.c``), as llama.cpp repacks them. Without, a
+    With 8-bit activations the layers' weights (not the experts', which are views of one
+    stacked tensor) are interleaved 16 rows at a time for the kernel that multiplies 16 rows
+    at once (8 without AVX512-VNNI; ``dot_q8_x16.c``), as llama.cpp repacks them. Without, a
     model that computes in bfloat16 interleaves its Q4_0, Q4_1 and Q8_0 weights the same way
     for the tile kernel (``gemm_amx_quant.c`` on a CPU with AMX; elsewhere on AVX-512 its twin
     in FMAs, ``gemm_tile_order.c``, with the same bits), whose activations are the model's
@@ -225,7 +225,7 @@ def set_activation_bits(model: torch.nn.Module, eight_bit: bool, dtype: torch.dt
         weight.eight_bit_activations = eight_bit
     if lib is None:
         return
-    if eight_bit and lib.xl_x16_ready():
+    if eight_bit:
         interleave16(layer_weights(model))
     elif not eight_bit and dtype == torch.bfloat16 and lib.xl_tile_order_ready():
         # K a multiple of 64: the tile kernel takes blocks in pairs
@@ -236,7 +236,7 @@ def set_activation_bits(model: torch.nn.Module, eight_bit: bool, dtype: torch.dt
 
 def interleave16(weights: list[QuantizedWeight], k_multiple: int = 32) -> int:
     """Their Q4_0, Q4_1 and Q8_0 parts (``gguf_blocks.INTERLEAVABLE``) of whole 16-row groups
-    and a width of ``k_multiple``, on the CPU, in the interleaved layout of the 8-bit VNNI and the
+    and a width of ``k_multiple``, on the CPU, in the interleaved layout of the 8-bit and the
     AMX kernels (``gguf_blocks.interleave16``): the same bytes. Data that
     several weights hold (a tied embedding and head) is interleaved once and stays shared;
     each part's old bytes are freed as soon as no weight holds them, so loading peaks at one
