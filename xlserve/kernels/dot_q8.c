@@ -16,7 +16,6 @@
  * blocks in order into fixed fp32 lanes (16 with AVX512-VNNI, 8 on AVX2) summed in a fixed
  * order, whatever M, the tile or the thread.
  */
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -226,26 +225,14 @@ typedef struct {
   float d, s; /* block scale and d * sum(q), each rounded to float16 as ggml stores them */
 } act_block;
 
-/* One block of 32 values into int8 (round to nearest even, as llama.cpp's AVX2
- * quantize_row_q8_1 does): its scale and d * sum; returns the integer sum. */
-static int quantize_block(const float* v, int8_t* q, act_block* block) {
-  float amax = 0.0f;
-  for (int j = 0; j < 32; ++j) amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
-  const float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
-  int sum = 0;
-  for (int j = 0; j < 32; ++j) {
-    const int value = (int)nearbyintf(v[j] * id);
-    q[j] = (int8_t)value;
-    sum += value;
-  }
-  block->d = half_round(d);
-  block->s = half_round(d * (float)sum);
-  return sum;
-}
-
-/* One row of K values (a multiple of 32) into int8 blocks. */
+/* One row of K values (a multiple of 32) into int8 blocks by llama.cpp's rule (quant_blocks.h). */
 static void quantize_row(const float* x, int64_t K, int8_t* q, act_block* blocks) {
-  for (int64_t b = 0; b < K / 32; ++b) quantize_block(x + 32 * b, q + 32 * b, &blocks[b]);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    int sum;
+    const float d = quantize_q8_block(x + 32 * b, q + 32 * b, &sum);
+    blocks[b].d = half_round(d);
+    blocks[b].s = half_round(d * (float)sum);
+  }
 }
 
 /* 16 bytes of nibbles -> 32 bytes: low nibbles are values 0..15, high ones 16..31. */
