@@ -157,3 +157,21 @@ def test_a_decode_server_streaming_a_line_without_end_fails_at_the_bound_and_the
         assert e.value.status_code == 503 and "decode" in e.value.message  # marked down: the log says why
         assert _peak_rss_mib(pid) - before < 128
         assert httpx.get(f"{router}/health").status_code == 200
+
+
+@pytest.mark.parametrize("how", ["chunked", "announced"])
+def test_a_prefill_server_answering_an_oversized_body_fails_at_the_bound_and_the_router_stays_small(how):
+    """An answer read whole is bounded (64 MiB, MAX_BODY_BYTES): past it, or announced past it,
+    the server failed; the router never holds the 65 MiB."""
+    with replaying("vllm_pd.json", "prefill", 0, None, "--oversized", how) as p, \
+            replaying("vllm_pd.json", "decode") as d, \
+            running_server("--prefill", f"vllm-pd+{p}", "--decode", f"vllm-pd+{d}", "--log-level", "warning",
+                           command="router") as router:
+        pid = PROCESSES[router].pid
+        before = _peak_rss_mib(pid)
+        with pytest.raises(openai.APIStatusError) as e:
+            openai.OpenAI(base_url=f"{router}/v1", api_key="none", timeout=30, max_retries=0).chat.completions.create(
+                model="default", messages=QUESTION, max_tokens=4)
+        assert e.value.status_code == 503 and "prefill" in e.value.message  # marked down: the log says why
+        assert _peak_rss_mib(pid) - before < (96 if how == "chunked" else 16)
+        assert httpx.get(f"{router}/health").status_code == 200

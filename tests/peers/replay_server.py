@@ -8,6 +8,8 @@ sent (GET /_received), and answers the recorded body or event stream.
 
 ``--fail N``: the first N generation requests get a 500 (a server that breaks after the prefill).
 ``--endless-line``: a stream whose first event never ends its line (a server gone wrong).
+``--oversized chunked|announced``: a JSON answer of 65 MiB, sent in chunks or with its length
+announced first (a server gone wrong).
 """
 
 import argparse
@@ -39,7 +41,17 @@ async def endless_line():
         await asyncio.sleep(0)
 
 
-def build(recording: dict, role: str, fail: int, endless: bool = False) -> FastAPI:
+OVERSIZED = 65 * 1024 * 1024
+
+
+async def oversized_body():
+    yield '{"text": "'
+    for _ in range(OVERSIZED // 65536):
+        yield "x" * 65536
+    yield '"}'
+
+
+def build(recording: dict, role: str, fail: int, endless: bool = False, oversized: str = "") -> FastAPI:
     app = FastAPI()
     side, received = recording[role], []
     failures = {"left": fail}
@@ -76,6 +88,11 @@ def build(recording: dict, role: str, fail: int, endless: bool = False) -> FastA
         wrong = mismatch(side.get("expect", {}), body, side.get("expect_keys", []), side.get("forbid", []))
         if wrong:
             return JSONResponse({"error": {"message": wrong, "type": "BadRequestError", "code": 400}}, status_code=400)
+        if oversized == "chunked":
+            return StreamingResponse(oversized_body(), media_type="application/json")
+        if oversized == "announced":
+            return StreamingResponse(oversized_body(), media_type="application/json",
+                                     headers={"content-length": str(OVERSIZED + len('{"text": ""}'))})
         if not body.get("stream"):
             return side["json"]
         if endless:
@@ -100,10 +117,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--fail", type=int, default=0)
     parser.add_argument("--endless-line", action="store_true")
+    parser.add_argument("--oversized", choices=("chunked", "announced"), default="")
     args = parser.parse_args()
     with open(args.recording) as f:
         recording = json.load(f)
-    app = build(recording, args.role, args.fail, args.endless_line)
+    app = build(recording, args.role, args.fail, args.endless_line, args.oversized)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
 
 

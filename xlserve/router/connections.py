@@ -8,6 +8,10 @@ agentic clients, one request in six left early) leaked 47 router -> decode conne
 the pool's 100 would have been gone within about an hour, and then every request waits
 for a pool timeout. So the send runs in a task of its own that nobody cancels; a caller
 that is cancelled meanwhile leaves it to finish and close the response.
+
+What a peer sends is bounded: an answer read whole by ``MAX_BODY_BYTES`` (``bounded_client``),
+an event stream, which may go on for as long as a generation does, by its line length
+(``sse_lines``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,60 @@ import httpx
 
 from xlserve.router import background
 from xlserve.router.faults import WorkerFailed
+
+# The largest answer the router reads whole: a worker's GenerateResult or a foreign server's
+# JSON completion. 32k tokens with 20 top logprobs each are ~32 MB of JSON.
+MAX_BODY_BYTES = 64 * 1024 * 1024
+# The extension a request carries when its answer is read as an event stream (by sse_lines,
+# which bounds each line): only such an answer, with status 200 and an event-stream type, is
+# not bounded in length.
+EVENT_STREAM = "xlserve.event_stream"
+
+
+class _BoundedStream(httpx.AsyncByteStream):
+    def __init__(self, inner: httpx.AsyncByteStream, request: httpx.Request, max_bytes: int):
+        self.inner, self.request, self.max_bytes = inner, request, max_bytes
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        read = 0
+        async for chunk in self.inner:
+            read += len(chunk)
+            if read > self.max_bytes:
+                raise httpx.ReadError(f"{self.request.url} answered over {self.max_bytes} bytes", request=self.request)
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class BoundedBodies(httpx.AsyncBaseTransport):
+    """httpx's transport, each answer's body bounded to ``max_bytes`` (past it, reading raises
+    ``httpx.ReadError``: the peer failed) unless the request carries ``EVENT_STREAM`` and the
+    answer is a 200 event stream."""
+
+    def __init__(self, limits: httpx.Limits, max_bytes: int = MAX_BODY_BYTES):
+        self.inner, self.max_bytes = httpx.AsyncHTTPTransport(limits=limits), max_bytes
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        if (request.extensions.get(EVENT_STREAM) and response.status_code == 200
+                and response.headers.get("content-type", "").startswith("text/event-stream")):
+            return response
+        length = response.headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await response.aclose()
+            raise httpx.ReadError(f"{request.url} announced {length} bytes (at most {self.max_bytes})",
+                                  request=request)
+        response.stream = _BoundedStream(response.stream, request, self.max_bytes)
+        return response
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def bounded_client(timeout: httpx.Timeout, limits: httpx.Limits, headers: dict | None = None) -> httpx.AsyncClient:
+    """An ``httpx.AsyncClient`` on ``BoundedBodies``."""
+    return httpx.AsyncClient(timeout=timeout, headers=headers, transport=BoundedBodies(limits))
 
 
 async def open_response(http: httpx.AsyncClient, request: httpx.Request,
@@ -44,8 +102,9 @@ def _close_unwanted(sending: asyncio.Future) -> None:
 @contextlib.asynccontextmanager
 async def streamed(http: httpx.AsyncClient, method: str, url: str, on_abandoned=None,
                    **kwargs) -> AsyncIterator[httpx.Response]:
-    """``http.stream(method, url, ...)`` on ``open_response``."""
-    response = await open_response(http, http.build_request(method, url, **kwargs), on_abandoned)
+    """``http.stream(method, url, ...)`` on ``open_response``, read as an event stream."""
+    request = http.build_request(method, url, extensions={EVENT_STREAM: True}, **kwargs)
+    response = await open_response(http, request, on_abandoned)
     try:
         yield response
     finally:

@@ -33,7 +33,7 @@ from xlserve.router.backend import (
     sse_events,
 )
 from xlserve.router.backend_probe import BackendInfo
-from xlserve.router.connections import open_response
+from xlserve.router.connections import EVENT_STREAM, open_response
 from xlserve.router.faults import WorkerFailed
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,8 @@ class OpenAIBackend(Backend):
 
     async def post(self, url: str, path: str, body: dict) -> Answer:
         """Send; return when the JSON answer, or the stream's first event, is in."""
-        request = self.http.build_request("POST", f"{url}{path}", json=body, headers=self.headers)
+        request = self.http.build_request("POST", f"{url}{path}", json=body, headers=self.headers,
+                                          extensions={EVENT_STREAM: True} if body.get("stream") else {})
         try:
             response = await open_response(self.http, request)
         except httpx.HTTPError as e:

@@ -12,6 +12,7 @@ import httpx
 
 from xlserve.router.backend import BackendKind, WorkerAddress, parse_worker_address
 from xlserve.router.backend_probe import BackendInfo, model_card
+from xlserve.router.connections import bounded_client
 from xlserve.router.faults import WorkerFailed
 from xlserve.router.foreign_backends import BACKENDS
 
@@ -115,10 +116,10 @@ class WorkerPool:
         # A worker that sends nothing for worker_timeout (stopped, hung) fails the request over.
         timeout = httpx.Timeout(worker_timeout, connect=5)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.AsyncClient(timeout=timeout, headers=headers, limits=CLIENT_LIMITS)
+        self.http = bounded_client(timeout, CLIENT_LIMITS, headers)
         # Foreign servers get their own key, never the internal one.
         self.backend_headers = {"Authorization": f"Bearer {backend_api_key}"} if backend_api_key else {}
-        self.foreign_http = httpx.AsyncClient(timeout=timeout, limits=FOREIGN_LIMITS)
+        self.foreign_http = bounded_client(timeout, FOREIGN_LIMITS)
         self.backends = {kind: cls(self.foreign_http, self.backend_headers) for kind, cls in BACKENDS.items()}
 
     @property
