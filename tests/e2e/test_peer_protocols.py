@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from tests.e2e.server_process import PROCESSES, free_port, running_server, stop, wait_up
+from xlserve.router.connections import fetch
 
 PEERS = Path(__file__).parent.parent / "peers"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -175,3 +176,5 @@ def test_a_prefill_server_answering_an_oversized_body_fails_at_the_bound_and_the
         assert e.value.status_code == 503 and "prefill" in e.value.message  # marked down: the log says why
         assert _peak_rss_mib(pid) - before < (96 if how == "chunked" else 16)
         assert httpx.get(f"{router}/health").status_code == 200
+        with pytest.raises(httpx.ReadError, match="over|announced"):  # the synchronous reads (startup, rendering)
+            fetch("POST", f"{p}/v1/chat/completions", json={})

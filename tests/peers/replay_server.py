@@ -85,14 +85,14 @@ def build(recording: dict, role: str, fail: int, endless: bool = False, oversize
             failures["left"] -= 1
             return JSONResponse({"error": {"message": "CUDA error: an illegal memory access was encountered",
                                            "type": "InternalServerError", "code": 500}}, status_code=500)
-        wrong = mismatch(side.get("expect", {}), body, side.get("expect_keys", []), side.get("forbid", []))
-        if wrong:
-            return JSONResponse({"error": {"message": wrong, "type": "BadRequestError", "code": 400}}, status_code=400)
         if oversized == "chunked":
             return StreamingResponse(oversized_body(), media_type="application/json")
         if oversized == "announced":
             return StreamingResponse(oversized_body(), media_type="application/json",
                                      headers={"content-length": str(OVERSIZED + len('{"text": ""}'))})
+        wrong = mismatch(side.get("expect", {}), body, side.get("expect_keys", []), side.get("forbid", []))
+        if wrong:
+            return JSONResponse({"error": {"message": wrong, "type": "BadRequestError", "code": 400}}, status_code=400)
         if not body.get("stream"):
             return side["json"]
         if endless:

@@ -75,6 +75,18 @@ class BoundedBodies(httpx.AsyncBaseTransport):
         await self.inner.aclose()
 
 
+def fetch(method: str, url: str, max_bytes: int = MAX_BODY_BYTES, **kwargs) -> tuple[int, bytes]:
+    """Synchronous ``httpx.request``, its answer bounded as ``BoundedBodies`` bounds one: (status,
+    body). For the calls made outside the server's event loop (startup, chat rendering)."""
+    with httpx.stream(method, url, **kwargs) as response:
+        body = bytearray()
+        for chunk in response.iter_bytes():
+            body += chunk
+            if len(body) > max_bytes:
+                raise httpx.ReadError(f"{url} answered over {max_bytes} bytes", request=response.request)
+        return response.status_code, bytes(body)
+
+
 def bounded_client(timeout: httpx.Timeout, limits: httpx.Limits, headers: dict | None = None) -> httpx.AsyncClient:
     """An ``httpx.AsyncClient`` on ``BoundedBodies``."""
     return httpx.AsyncClient(timeout=timeout, headers=headers, transport=BoundedBodies(limits))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import time
@@ -12,7 +13,7 @@ import httpx
 
 from xlserve.router.backend import BackendKind, WorkerAddress, parse_worker_address
 from xlserve.router.backend_probe import BackendInfo, model_card
-from xlserve.router.connections import bounded_client
+from xlserve.router.connections import bounded_client, fetch
 from xlserve.router.faults import WorkerFailed
 from xlserve.router.foreign_backends import BACKENDS
 
@@ -265,16 +266,16 @@ class WorkerPool:
         while True:
             for w in asked:
                 try:
-                    r = httpx.get(f"{w.url}{'/internal/info' if w.kind is XLSERVE else '/v1/models'}",
-                                  headers=self.http.headers if w.kind is XLSERVE else self.backend_headers,
-                                  timeout=5)
-                    if r.status_code == 200:
-                        return r.json() if w.kind is XLSERVE else foreign_info(r.json())
-                    if r.status_code in (401, 403):  # waiting will not help
+                    status, body = fetch("GET", f"{w.url}{'/internal/info' if w.kind is XLSERVE else '/v1/models'}",
+                                         headers=self.http.headers if w.kind is XLSERVE else self.backend_headers,
+                                         timeout=5)
+                    if status == 200:
+                        return json.loads(body) if w.kind is XLSERVE else foreign_info(json.loads(body))
+                    if status in (401, 403):  # waiting will not help
                         hint = "XLSERVE_INTERNAL_API_KEY or --internal-api-key-file as on the workers" \
                             if w.kind is XLSERVE else "XLSERVE_BACKEND_API_KEY as the server wants"
-                        raise RuntimeError(f"{w.url} refuses the router's key ({r.status_code}); set {hint}")
-                    last = f"{w.url} answered {r.status_code}"
+                        raise RuntimeError(f"{w.url} refuses the router's key ({status}); set {hint}")
+                    last = f"{w.url} answered {status}"
                 except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
                     last = f"{w.url}: {type(e).__name__}"
             now = time.monotonic()

@@ -10,11 +10,14 @@ Rendering runs on the preprocessor's threads, so the blocking call never stalls 
 
 from __future__ import annotations
 
+import json
+
 import httpx
 
 from xlserve.loader.chat_template import ChatTemplate
 from xlserve.loader.tokenizer import Tokenizer
 from xlserve.openai.errors import ApiError
+from xlserve.router.connections import fetch
 
 RENDER_TIMEOUT_S = 10.0
 
@@ -44,12 +47,13 @@ class ServerChatTemplate(ChatTemplate):
         path = "/apply-template" if flavor == "apply-template" else "/tokenize"
         payload = body if flavor == "apply-template" else {**body, "add_generation_prompt": add_generation_prompt}
         try:
-            r = httpx.post(f"{self.url}{path}", json=payload, headers=self.headers, timeout=RENDER_TIMEOUT_S)
+            status, body = fetch("POST", f"{self.url}{path}", json=payload, headers=self.headers,
+                                 timeout=RENDER_TIMEOUT_S)
         except httpx.HTTPError as e:
             raise ApiError(503, f"{self.url} could not render the chat: {type(e).__name__}") from e
-        if r.status_code == 400:
-            raise ValueError(f"{self.url} rejected the conversation: {r.text[:200]}")
-        answer = r.json() if r.status_code == 200 else {}
+        if status == 400:
+            raise ValueError(f"{self.url} rejected the conversation: {body[:200].decode('utf-8', 'replace')}")
+        answer = json.loads(body) if status == 200 else {}
         if isinstance(answer.get("prompt"), str):
             return answer["prompt"]
         tokens = answer.get("tokens")
