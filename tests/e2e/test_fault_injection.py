@@ -104,7 +104,8 @@ def test_serve_brings_back_each_of_its_processes_killed_or_stopped_under_load():
 
 FAULTY_PREFILL = """
 import itertools, json, socket, sys, threading, time
-from xlserve.config import EngineConfig, ServerConfig
+from xlserve.config import EngineConfig
+from xlserve.server_config import ServerConfig
 from xlserve.transfer.tcp import TCPTransportServer
 from xlserve.worker.server import run_worker
 

@@ -138,7 +138,8 @@ def test_64_disconnected_streams_leave_no_close_wait_socket_on_the_router(server
 
 FATAL_WORKER = """
 import sys
-from xlserve.config import EngineConfig, ServerConfig
+from xlserve.config import EngineConfig
+from xlserve.server_config import ServerConfig
 from xlserve.engine.errors import EngineFatal
 from xlserve.engine.llm_engine import LLMEngine
 from xlserve.worker.server import run_worker

@@ -2,9 +2,9 @@
 
 import pytest
 
-from xlserve.config import ServerConfig, resolve_keys
 from xlserve.openai.errors import ApiError
 from xlserve.openai.http_edge import allowed_hosts, check_json_content_type, host_name, is_loopback
+from xlserve.server_config import ServerConfig, resolve_keys
 
 
 @pytest.mark.parametrize("header,name", [("127.0.0.1:8000", "127.0.0.1"), ("[::1]:8000", "::1"),

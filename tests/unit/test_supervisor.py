@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 
-from xlserve.config import SupervisorConfig
+from xlserve.server_config import SupervisorConfig
 from xlserve.supervisor import Supervisor, WorkerProcess, exit_cause
 
 FAST = dict(check_interval=0.05, max_backoff=0.0, startup_timeout=5.0)

@@ -24,7 +24,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from xlserve import native_heap
-from xlserve.config import ServerConfig
 from xlserve.openai.engine_client import EngineBusy, EngineDead, RequestFailed
 from xlserve.openai.errors import ApiError, error_body
 from xlserve.openai.event_stream import EventStreamResponse
@@ -39,6 +38,7 @@ from xlserve.openai.serving_common import WorkerState
 from xlserve.openai.serving_completion import CompletionHandler
 from xlserve.openai.serving_responses import ResponsesHandler
 from xlserve.openai.serving_tokens import TokenHandler
+from xlserve.server_config import ServerConfig
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25

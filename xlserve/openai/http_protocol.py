@@ -17,7 +17,7 @@ import asyncio
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from xlserve.config import ServerConfig
+from xlserve.server_config import ServerConfig
 
 
 class HeadBoundedH11Protocol(H11Protocol):

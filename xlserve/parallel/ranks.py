@@ -127,7 +127,7 @@ def agree(loaded, num_blocks: int, block_size: int) -> None:
 def distributed_key(config: EngineConfig, environ=os.environ) -> str:
     """The key the ranks prove they hold: from --distributed-key-file or XLSERVE_DISTRIBUTED_KEY
     (never a command line); required when ranks meet over the network (several nodes)."""
-    from xlserve.config import read_key
+    from xlserve.server_config import read_key
     p = config.parallel
     key = read_key(p.distributed_key_file, "distributed key") if p.distributed_key_file else \
         environ.get("XLSERVE_DISTRIBUTED_KEY", "")

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 
+from xlserve.config import option
 from xlserve.models.arch import ModelArch
 from xlserve.planner.hardware import GIB, parse_gpus
 from xlserve.planner.memory_plan import MemoryPlan, ServingShape, plan_memory
@@ -17,28 +18,24 @@ PRESETS = sorted(p.name.removesuffix(".json") for p in resources.files("xlserve.
                  if p.name.endswith(".json"))
 
 
-def _opt(default, help: str, **extra):
-    return field(default=default, metadata={"help": help, **extra})
-
-
 @dataclass(frozen=True)
 class PlanConfig:
-    model: str = _opt("", f"A preset ({', '.join(PRESETS)}), a config.json, or a model directory.")
-    gpus: str = _opt("", "Devices: COUNTxGPU (2xH200, 8xH100) or COUNTxSIZE (4x96GiB).")
-    tp: int = _opt(0, "Tensor-parallel ranks; 0: every device (divided by --pp).")
-    pp: int = _opt(1, "Pipeline stages.")
-    data_parallel_attention: bool = _opt(False, "The --tp ranks split only the routed experts; each keeps "
+    model: str = option("", f"A preset ({', '.join(PRESETS)}), a config.json, or a model directory.")
+    gpus: str = option("", "Devices: COUNTxGPU (2xH200, 8xH100) or COUNTxSIZE (4x96GiB).")
+    tp: int = option(0, "Tensor-parallel ranks; 0: every device (divided by --pp).")
+    pp: int = option(1, "Pipeline stages.")
+    data_parallel_attention: bool = option(False, "The --tp ranks split only the routed experts; each keeps "
                                          "attention, dense layers, shared experts, embedding and head whole and "
                                          "its own requests' KV (xlserve's --data-parallel-attention).")
-    dtype: str = _opt("bfloat16", "Format of the weights the checkpoint does not quantize.",
+    dtype: str = option("bfloat16", "Format of the weights the checkpoint does not quantize.",
                       choices=("bfloat16", "float16", "float32"))
-    kv_dtype: str = _opt("bfloat16", "KV-cache element type.", choices=("bfloat16", "fp8"))
-    max_num_batched_tokens: int = _opt(8192, "Token budget of one step (sizes the activation peak).")
-    max_num_seqs: int = _opt(256, "Most sequences in one step (sizes the logits).")
-    cuda_graph_max_batch: int = _opt(512, "Largest decode batch captured as a CUDA graph.")
-    max_model_len: int = _opt(0, "Context one request must fit for the plan to fit; 0: the model's, "
+    kv_dtype: str = option("bfloat16", "KV-cache element type.", choices=("bfloat16", "fp8"))
+    max_num_batched_tokens: int = option(8192, "Token budget of one step (sizes the activation peak).")
+    max_num_seqs: int = option(256, "Most sequences in one step (sizes the logits).")
+    cuda_graph_max_batch: int = option(512, "Largest decode batch captured as a CUDA graph.")
+    max_model_len: int = option(0, "Context one request must fit for the plan to fit; 0: the model's, "
                                  "at most 131072.")
-    json: bool = _opt(False, "Print JSON instead of a table.")
+    json: bool = option(False, "Print JSON instead of a table.")
 
     def __post_init__(self):
         if not self.model or not self.gpus:

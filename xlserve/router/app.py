@@ -14,7 +14,6 @@ import uvicorn
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from xlserve.config import ServerConfig
 from xlserve.loader.tokenizer import load_model_tokenizer, prompt_token_ids
 from xlserve.openai.app import build_app
 from xlserve.openai.engine_client import EngineBusy
@@ -31,6 +30,7 @@ from xlserve.router.policies import make_policy
 from xlserve.router.pool import WorkerPool
 from xlserve.router.remote_engine import SERVED_BY, SESSION, RemoteEngine
 from xlserve.router.server_template import render_on_server
+from xlserve.server_config import ServerConfig
 
 log = logging.getLogger("xlserve.router")
 SESSION_HEADER = "x-session-affinity"

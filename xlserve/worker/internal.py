@@ -29,7 +29,6 @@ from collections import OrderedDict
 
 from fastapi import FastAPI, Request, Response
 
-from xlserve.config import ServerConfig, parse_peers
 from xlserve.engine.request import HandOff
 from xlserve.openai.choices import ChoiceRun, RequestRun, start_choices
 from xlserve.openai.engine_client import EngineBusy, RequestFailed
@@ -38,6 +37,7 @@ from xlserve.openai.event_stream import EventStreamResponse
 from xlserve.openai.openapi_doc import document_body
 from xlserve.openai.serving_common import WorkerState, framed_sse, new_id, sse
 from xlserve.sampling_params import SamplingParams
+from xlserve.server_config import ServerConfig, parse_peers
 from xlserve.transfer.base import TransferError, transport
 from xlserve.worker.heartbeat import json_with_heartbeats, with_heartbeats
 from xlserve.worker.messages import (

@@ -12,11 +12,12 @@ import sys
 
 import uvicorn
 
-from xlserve.config import EngineConfig, ServerConfig
+from xlserve.config import EngineConfig
 from xlserve.engine.llm_engine import LLMEngine
 from xlserve.openai.app import build_app
 from xlserve.openai.http_protocol import uvicorn_config
 from xlserve.openai.serving_common import WorkerState
+from xlserve.server_config import ServerConfig
 from xlserve.worker.async_engine import AsyncEngine
 from xlserve.worker.metrics import WorkerMetrics
 
