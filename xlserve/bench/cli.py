@@ -18,6 +18,11 @@ def write_results(path: str, results: dict) -> None:
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks: xlserve beside its peers in one run")
     kinds = bench.add_subparsers(dest="bench_kind", required=True)
+    for add in (_engine_parser, _serve_parser, _parallel_parser, _spec_parser, _quantized_parser):
+        add(kinds)
+
+
+def _engine_parser(kinds) -> None:
     e = kinds.add_parser("engine", help="engine speed and memory vs llama.cpp and transformers",
                          description="Runs xlserve and its peers (llama.cpp's own server and llama-bench, "
                                      "transformers) on the same BF16 weights, token ids and threads, one process "
@@ -44,6 +49,9 @@ def add_bench_parser(sub) -> None:
     e.add_argument("--no-cuda-graphs", action="store_true",
                    help="run xlserve's decode steps eagerly on CUDA instead of replaying CUDA graphs")
     e.set_defaults(func=cmd_bench_engine)
+
+
+def _serve_parser(kinds) -> None:
     s = kinds.add_parser("serve", help="agentic multi-turn workload: one server, or setups side by side",
                          description="Runs N sessions x T turns of an agentic workload (shared system prompt with "
                                      "tools, growing history, short answers, x-session-affinity) and a scaled replay "
@@ -76,6 +84,9 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--out", default="bench-serve.json", help="where to write the JSON results")
     s.add_argument("--png", default="", help="also write a chart here")
     s.set_defaults(func=cmd_bench_serve)
+
+
+def _parallel_parser(kinds) -> None:
     p = kinds.add_parser("parallel", help="tensor and pipeline parallelism: load and step times, one rank "
                          "beside several",
                          description="Loads the model in each layout (alternating, --repeats times) and times the "
@@ -94,6 +105,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--workdir", default=".bench-parallel", help="where the synthetic model is written")
     p.add_argument("--out", default="bench-parallel.json", help="where to write the JSON results")
     p.set_defaults(func=cmd_bench_parallel)
+
+
+def _spec_parser(kinds) -> None:
     s = kinds.add_parser("spec", help="speculative decoding: decode tok/s with each proposer beside none",
                          description="Greedy answers to tool-call and free-text prompts through the model's chat "
                                      "template, at batch 1 and batch 8, with each proposer and without "
@@ -110,6 +124,9 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--out", default="bench-spec.json", help="where to write the JSON results")
     s.add_argument("--png", default="", help="also write a chart here")
     s.set_defaults(func=cmd_bench_spec)
+
+
+def _quantized_parser(kinds) -> None:
     q = kinds.add_parser("quantized", help="a quantized GGUF as shipped: xlserve vs llama.cpp",
                          description="On the model's own GGUF file (the default: Q4_1): xlserve keeping the weights "
                                      "as stored (fp32 and 8-bit activations) and dequantized, beside llama.cpp's "
