@@ -43,14 +43,18 @@
  * memory once, not through the buffer. The default model's gate/up shape over 30 layers
  * (92160 x 576 Q4_1) on a 2-core Zen 4 EPYC, minimum of 21, registers vs buffer: 4 rows 3.17
  * vs 3.92 ms, 6 rows 4.46 vs 5.32, 8 rows 5.50 vs 6.00, 10 rows 7.68 vs 7.41, 12 rows 8.58 vs
- * 8.38 (the buffer's one dequantization wins from 10). With 16 registers (AVX2) a pass holds
- * 2 rows, and a third row costs a second dequantization, which loses to the buffer's one: on a
- * 2-core Zen 1 EPYC, median of 15 interleaved, Q4_1 92160 x 576, registers vs buffer, 3 rows
- * 10.74 vs 8.08 ms, 4 rows 10.56 vs 7.72 (34560 x 576: 3.75 vs 2.82, 3.95 vs 2.88); the same bits. */
+ * 8.38 (the buffer's one dequantization wins from 10). With 16 registers (AVX2) 3-4 rows take
+ * half a tile and 5-7 one weight row a pass (a pass of 2 rows each, the dequantization repeated,
+ * lost to the buffer before: on a 2-core Zen 1, 3 rows 10.74 vs 8.08 ms): on a 2-core Zen 3
+ * EPYC, one process, median of 7-11 interleaved, buffer vs registers, a third of the default
+ * model's 30 layers and head (46080 x 576 and 5760 x 1536 Q4_1, 16384 x 576 Q8_0), 3 rows 4.86
+ * -> 2.84, 1.30 -> 0.92, 1.41 -> 0.99 ms; 4 rows 5.15 -> 3.19, 1.42 -> 1.01, 1.87 -> 1.14; 5
+ * rows 1.12-1.25x; 7 rows 6.22, 2.01, 2.20 against 7.01, 2.38, 2.47; 8 rows level (0.97-1.06x).
+ * The same bits. */
 #if MR_MAX == 4
-#define REGS_PATH_ROWS (2 * REGS_MAX_ROWS)
+#define REGS_PATH_ROWS 8
 #else
-#define REGS_PATH_ROWS REGS_MAX_ROWS
+#define REGS_PATH_ROWS 7
 #endif
 
 
@@ -268,9 +272,16 @@ typedef void (*regs_fn)(const uint8_t*, int64_t, int, const float*, int64_t, flo
   static const regs_fn REGS_##T[9] = {0, regs_##T##_1, regs_##T##_2, regs_##T##_3, regs_##T##_4,         \
                                       regs_##T##_5, regs_##T##_6, regs_##T##_7, regs_##T##_8};
 #else
-#define WIDE_ROWS REGS_MAX_ROWS
-#define REGS_TYPE_BY(MICRO, FIVE_NW, T) \
-  MICRO(T, 1, NR) MICRO(T, 2, NR) static const regs_fn REGS_##T[3] = {0, regs_##T##_1, regs_##T##_2};
+/* AVX2, 16 registers: 1-2 rows against the whole tile, 3-4 against its halves (4 x 2
+ * accumulators + 4 weight vectors + 1 activation: 13 registers), 5-8 against one weight row
+ * at a time (8 + 4 + 1), so a dequantized block serves every row of the pass where a third row
+ * used to cost the buffer's path. */
+#define WIDE_ROWS 8
+#define REGS_TYPE_BY(MICRO, FIVE_NW, T)                                                                  \
+  MICRO(T, 1, NR) MICRO(T, 2, NR) MICRO(T, 3, NR / 2) MICRO(T, 4, NR / 2)                                \
+  MICRO(T, 5, 1) MICRO(T, 6, 1) MICRO(T, 7, 1) MICRO(T, 8, 1)                                            \
+  static const regs_fn REGS_##T[9] = {0, regs_##T##_1, regs_##T##_2, regs_##T##_3, regs_##T##_4,         \
+                                      regs_##T##_5, regs_##T##_6, regs_##T##_7, regs_##T##_8};
 #endif
 #define REGS_TYPE(T) REGS_TYPE_BY(REGS_MICRO, NR / 2, T)
 #define REGS_TYPE_SCALES_AHEAD(T) REGS_TYPE_BY(SCALES_AHEAD_MICRO, NR, T)
@@ -367,20 +378,26 @@ static int full_tile_rows(int type) {
   return REGS_MAX_ROWS;
 }
 
+/* How many weight rows of a tile ``type``'s kernel for ``mr`` activation rows takes at once. */
+static int pass_width(int type, int mr) {
+  if (mr <= full_tile_rows(type)) return NR;
+#if REGS_MAX_ROWS == 4
+  return NR / 2;
+#else
+  return mr <= 4 ? NR / 2 : 1;
+#endif
+}
+
 /* One tile of ``rows`` (<= NR) weight rows against every activation row, WIDE_ROWS at a time:
- * up to full_tile_rows of them against the whole tile, more against its halves in turn. */
+ * up to full_tile_rows of them against the whole tile, more against its parts in turn. */
 static void regs_tile(int type, const uint8_t* w, int64_t row_bytes, int bytes, int rows, const float* x,
                       int64_t M, int64_t K, float* out, int64_t ldo) {
   for (int64_t m = 0; m < M; m += WIDE_ROWS) {
     const int mr = M - m < WIDE_ROWS ? (int)(M - m) : WIDE_ROWS;
     const regs_fn fn = regs_for(type, mr);
-    if (mr <= full_tile_rows(type)) {
-      fn(w, row_bytes, bytes, x + m * K, K, out + m * ldo, ldo, rows);
-      continue;
-    }
-    for (int r = 0; r < rows; r += NR / 2)
-      fn(w + r * row_bytes, row_bytes, bytes, x + m * K, K, out + m * ldo + r, ldo,
-         rows - r < NR / 2 ? rows - r : NR / 2);
+    const int width = pass_width(type, mr);
+    for (int r = 0; r < rows; r += width)
+      fn(w + r * row_bytes, row_bytes, bytes, x + m * K, K, out + m * ldo + r, ldo, rows - r < width ? rows - r : width);
   }
 }
 
