@@ -35,33 +35,33 @@ class ModelConfig:
         "package), a Hugging Face directory with config.json + safetensors, or a .gguf file.",
     )
     dtype: str = option("auto", "Weight and activation dtype: auto (bfloat16 on CUDA and on CPUs with "
-                      "AVX512-BF16, else float32), float32, bfloat16 or float16. Greedy output is "
-                      "batch-invariant in float32.", choices=DTYPES)
+                        "AVX512-BF16, else float32), float32, bfloat16 or float16. Greedy output is "
+                        "batch-invariant in float32.", choices=DTYPES)
     device: str = option("auto", "Device: auto (cuda when present), cpu or cuda.", choices=DEVICES)
     quantization: str = option("auto", "auto: keep a quantized file's matmul weights as stored (GGUF Q8_0, Q4_0, "
-                             "Q4_1, Q4_K, Q5_K, Q6_K; a fraction of the memory and bytes read per token) and "
-                             "compute with them; none: dequantize every weight to --dtype at load.",
-                             choices=QUANTIZATIONS)
+                               "Q4_1, Q4_K, Q5_K, Q6_K; a fraction of the memory and bytes read per token) and "
+                               "compute with them; none: dequantize every weight to --dtype at load.",
+                               choices=QUANTIZATIONS)
     deterministic: bool = option(False, "CPU: every dense matmul on a kernel that reduces each row in one order "
-                               "(as weights kept quantized always are) and no fused decode kernels, so greedy "
-                               "and seeded output do not depend on the batch, chunking, caching or thread count "
-                               "in any dtype, for every model family (MoE experts, latent and windowed "
-                               "attention too). bf16 weights of a bf16 model run on AMX tiles where the CPU "
-                               "has them (there its decode is faster than the default's), elsewhere on fp32 "
-                               "multiply-adds. Cost: docs/benchmarks.md.")
+                                 "(as weights kept quantized always are) and no fused decode kernels, so greedy "
+                                 "and seeded output do not depend on the batch, chunking, caching or thread count "
+                                 "in any dtype, for every model family (MoE experts, latent and windowed "
+                                 "attention too). bf16 weights of a bf16 model run on AMX tiles where the CPU "
+                                 "has them (there its decode is faster than the default's), elsewhere on fp32 "
+                                 "multiply-adds. Cost: docs/benchmarks.md.")
     int8_activations: bool = option(False, "CPU, weights kept as Q4_0, Q4_1 or Q8_0: round each matmul's activations "
-                                  "to 8 bits per 32 values and multiply with integer dot products, as llama.cpp "
-                                  "does (about 2x faster matmuls; results within bf16's error of the dequantized "
-                                  "weights' instead of fp32's). Output stays batch-invariant either way.")
+                                    "to 8 bits per 32 values and multiply with integer dot products, as llama.cpp "
+                                    "does (about 2x faster matmuls; results within bf16's error of the dequantized "
+                                    "weights' instead of fp32's). Output stays batch-invariant either way.")
     max_model_len: int = option(0, "Longest prompt + output in tokens; 0 means the model's own context length.")
     served_model_name: str = option("", "Name the API reports for the model; empty means derived from --model.")
     chat_template: str = option("", "Jinja file to use as the chat template instead of the model's own.")
     prepack_weights: bool = option(False, "CPU: also keep each matmul weight in oneDNN's prepacked layout for "
-                                 "batches of more than 4 rows (~1.5x faster batched decode and short "
-                                 "prefills, identical output) at the cost of holding the weights twice.")
+                                   "batches of more than 4 rows (~1.5x faster batched decode and short "
+                                   "prefills, identical output) at the cost of holding the weights twice.")
     cuda_graphs: bool = option(True, "CUDA: replay decode steps from CUDA graphs (one per batch-size and "
-                             "context-length bucket, captured on first use) instead of launching every "
-                             "kernel from Python; --no-cuda-graphs runs every step eagerly.")
+                               "context-length bucket, captured on first use) instead of launching every "
+                               "kernel from Python; --no-cuda-graphs runs every step eagerly.")
 
     def __post_init__(self):
         if not self.model:
@@ -82,7 +82,7 @@ class CacheConfig:
     block_size: int = option(16, "Tokens per KV-cache block (also the prefix-cache granularity).")
     num_kv_blocks: int = option(0, "KV-cache blocks in the device pool; 0 sizes the pool from --kv-cache-tokens.")
     kv_cache_tokens: int = option(32768, "Token capacity of the KV pool when --num-kv-blocks and "
-                                "--kv-cache-memory are 0.")
+                                  "--kv-cache-memory are 0.")
     kv_cache_memory: float = option(0.0, "GiB for the KV pool; its token capacity follows from the model's KV bytes "
                                        "per token, as 'xlserve plan' computes them (MLA latents are small, full "
                                        "K/V large). 0: size the pool by --kv-cache-tokens.")
@@ -118,7 +118,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = option(1024, "Token budget of one engine step (prefill chunks + decodes).")
     max_waiting: int = option(256, "Most requests queued before new ones are refused as busy.")
     queue_timeout: float = option(0.0, "Seconds a request may wait in the queue before it is refused as busy "
-                                "(429 with Retry-After); 0: it waits as long as it takes.")
+                                  "(429 with Retry-After); 0: it waits as long as it takes.")
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -134,42 +134,42 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = option(1, "Processes (ranks) that each hold a slice of every layer: attention heads, "
-                                     "MLP columns and the vocabulary split, one all-reduce per attention and per "
-                                     "MLP block over torch.distributed (gloo on CPU, NCCL on CUDA). The worker "
-                                     "starts the other ranks itself; rank 0 schedules and samples.")
+                                       "MLP columns and the vocabulary split, one all-reduce per attention and per "
+                                       "MLP block over torch.distributed (gloo on CPU, NCCL on CUDA). The worker "
+                                       "starts the other ranks itself; rank 0 schedules and samples.")
     expert_parallel: bool = option(False, "Mixture-of-experts layers: give each tensor-parallel rank whole experts (an "
-                                 "equal share) instead of a slice of every expert; the router, attention and "
-                                 "shared experts stay split as without it.")
+                                   "equal share) instead of a slice of every expert; the router, attention and "
+                                   "shared experts stay split as without it.")
     data_parallel_attention: bool = option(False, "With --expert-parallel: each rank holds all of attention and "
-                                         "its own requests' KV cache (rank 0 schedules every rank's batch and "
-                                         "places each new request where its prefix is cached and the queue is "
-                                         "short), and only the routed experts are split; a MoE layer sends "
-                                         "each token to the ranks that hold its experts and back (two "
-                                         "all-to-alls) instead of every rank computing every token. For many "
-                                         "concurrent requests on models whose KV heads do not split (MLA).")
+                                           "its own requests' KV cache (rank 0 schedules every rank's batch and "
+                                           "places each new request where its prefix is cached and the queue is "
+                                           "short), and only the routed experts are split; a MoE layer sends "
+                                           "each token to the ranks that hold its experts and back (two "
+                                           "all-to-alls) instead of every rank computing every token. For many "
+                                           "concurrent requests on models whose KV heads do not split (MLA).")
     pipeline_parallel_size: int = option(1, "Pipeline stages: each holds a run of consecutive layers (balanced by "
-                                       "their planned compute per token, the head counted on the last), with "
-                                       "tensor-parallel-size ranks of its own. A step's batch is cut into as "
-                                       "many micro-batches so the stages overlap; the first stage embeds, the "
-                                       "last computes the logits and rank 0 samples.")
+                                         "their planned compute per token, the head counted on the last), with "
+                                         "tensor-parallel-size ranks of its own. A step's batch is cut into as "
+                                         "many micro-batches so the stages overlap; the first stage embeds, the "
+                                         "last computes the logits and rank 0 samples.")
     distributed_timeout: float = option(300.0, "Seconds one collective between ranks may take before the worker "
-                                      "fails (a rank that died or hangs), instead of waiting forever.")
+                                        "fails (a rank that died or hangs), instead of waiting forever.")
     nnodes: int = option(1, "Machines the ranks span, each running tensor-parallel-size x pipeline-parallel-size / "
-                       "nnodes of them. Node 0 runs the worker (it serves the API); every other node runs "
-                       "'xlserve worker' with the same flags and its own --node-rank, which hosts that node's "
-                       "ranks and serves nothing.",
-                       commands=(WORKER,))
+                         "nnodes of them. Node 0 runs the worker (it serves the API); every other node runs "
+                         "'xlserve worker' with the same flags and its own --node-rank, which hosts that node's "
+                         "ranks and serves nothing.",
+                         commands=(WORKER,))
     node_rank: int = option(0, "This machine's place among --nnodes (0: the one that serves).", commands=(WORKER,))
     master_addr: str = option("127.0.0.1", "Address of node 0, where the ranks meet. Keep it on a private network: "
-                            "the ranks prove they hold --distributed-key-file before anything moves, but their "
-                            "traffic is not encrypted.", commands=(WORKER,))
+                              "the ranks prove they hold --distributed-key-file before anything moves, but their "
+                              "traffic is not encrypted.", commands=(WORKER,))
     master_port: int = option(0, "Port on node 0 where the ranks meet; 0 picks a free one (one node only).",
-                            commands=(WORKER,))
+                              commands=(WORKER,))
     distributed_key_file: str = option("", "File whose first line is the key every rank proves it holds (an HMAC "
-                                     "over fresh nonces from every rank) before any weight or step moves; "
-                                     "required with --nnodes above 1 (or XLSERVE_DISTRIBUTED_KEY). One machine "
-                                     "needs none: its ranks meet through a file only this user can open.",
-                                     commands=(WORKER,))
+                                       "over fresh nonces from every rank) before any weight or step moves; "
+                                       "required with --nnodes above 1 (or XLSERVE_DISTRIBUTED_KEY). One machine "
+                                       "needs none: its ranks meet through a file only this user can open.",
+                                       commands=(WORKER,))
 
     def __post_init__(self):
         if not 1 <= self.tensor_parallel_size <= 64:
@@ -204,25 +204,25 @@ SPECULATIVE_METHODS = ("none", "ngram", "suffix", "draft", "eagle", "grammar")
 @dataclass(frozen=True)
 class SpeculativeConfig:
     speculative: str = option("none", "Speculative decoding: a proposer guesses the next tokens of a running "
-                            "request and one forward pass checks them all, keeping the ones the model would "
-                            "have produced (the output is exactly the model's). 'ngram': the tokens that "
-                            "followed the latest match of the request's last few tokens in its own prompt and "
-                            "output; 'suffix': the continuation most of the longest matches agree on, in the "
-                            "request's tokens and in earlier answers (longer proposals where they agree); 'draft': "
-                            "--draft-model's greedy tokens; 'eagle': a one-layer head on the model's own hidden states "
-                            "(--eagle-head; the default model's ships with xlserve); 'grammar': no guesses, only the "
-                            "tokens a request's grammar forces (a forced tool call's envelope, a schema's keys), "
-                            "checked in one step. Every proposer's proposals lead with those.",
-                            choices=SPECULATIVE_METHODS)
+                              "request and one forward pass checks them all, keeping the ones the model would "
+                              "have produced (the output is exactly the model's). 'ngram': the tokens that "
+                              "followed the latest match of the request's last few tokens in its own prompt and "
+                              "output; 'suffix': the continuation most of the longest matches agree on, in the "
+                              "request's tokens and in earlier answers (longer proposals where they agree); "
+                              "'draft': --draft-model's greedy tokens; 'eagle': a one-layer head on the model's own "
+                              "hidden states (--eagle-head; the default model's ships with xlserve); 'grammar': no "
+                              "guesses, only the tokens a request's grammar forces (a forced tool call's envelope, a "
+                              "schema's keys), checked in one step. Every proposer's proposals lead with those.",
+                              choices=SPECULATIVE_METHODS)
     num_speculative_tokens: int = option(0, "Most tokens proposed per request and step; 0: adaptive (0 to 8 "
-                                       "per request and step, where the guesses likeliest to land raise the "
-                                       "expected tokens per second of this engine's measured step times).")
+                                         "per request and step, where the guesses likeliest to land raise the "
+                                         "expected tokens per second of this engine's measured step times).")
     draft_model: str = option("", "With --speculative draft: a smaller model with the target's tokenizer (a "
-                            "directory or GGUF, as --model); it keeps its own KV pool of the target's token "
-                            "capacity.")
+                              "directory or GGUF, as --model); it keeps its own KV pool of the target's token "
+                              "capacity.")
 
     eagle_head: str = option("", "With --speculative eagle: the head's safetensors file, made for this model by "
-                           "'xlserve train-eagle'; empty: the head shipped for the default model.")
+                             "'xlserve train-eagle'; empty: the head shipped for the default model.")
 
     def __post_init__(self):
         if self.speculative not in SPECULATIVE_METHODS:
@@ -264,18 +264,18 @@ def default_kv_disk_dir() -> str:
 @dataclass(frozen=True)
 class KVTierConfig:
     kv_tiers: str = option("", "KV tiers under the device pool, in order, comma-separated: 'host' (host memory), "
-                         "'disk' (one directory, survives restarts), 'mooncake' (Mooncake Store, shared by every "
-                         "worker that names the same --kv-store-address). A block the pool evicts moves to the "
-                         "first local tier (host, then disk, as each fills); finished requests' blocks are "
-                         "written through to mooncake. A prefix the pool misses is looked up in every tier "
-                         "and loaded instead of computed. Empty: the device pool only.")
+                           "'disk' (one directory, survives restarts), 'mooncake' (Mooncake Store, shared by every "
+                           "worker that names the same --kv-store-address). A block the pool evicts moves to the "
+                           "first local tier (host, then disk, as each fills); finished requests' blocks are "
+                           "written through to mooncake. A prefix the pool misses is looked up in every tier "
+                           "and loaded instead of computed. Empty: the device pool only.")
     kv_host_gib: float = option(4.0, "GiB of host memory for the 'host' tier (allocated up front, reused LRU).")
     kv_disk_dir: str = option("", "Directory of the 'disk' tier; empty: $XDG_CACHE_HOME/xlserve/kv-blocks.")
     kv_disk_gib: float = option(32.0, "GiB the 'disk' tier may fill (least recently used blocks are deleted first).")
     kv_store_address: str = option("", "HOST:PORT of the Mooncake master for the 'mooncake' tier ('xlserve kvstore' "
-                                 "runs one; 'xlserve serve' starts one itself when this is empty).")
+                                   "runs one; 'xlserve serve' starts one itself when this is empty).")
     kv_tier_timeout: float = option(2.0, "Seconds a prefix lookup in the tiers may take; past it the request "
-                                  "computes what was not loaded (a slow or dead store never stalls a request).")
+                                    "computes what was not loaded (a slow or dead store never stalls a request).")
 
     def __post_init__(self):
         unknown = set(self.tier_names) - set(KV_TIERS)
@@ -305,11 +305,11 @@ class KVTierConfig:
 class KVStoreConfig:
     """``xlserve kvstore``: the Mooncake Store behind the 'mooncake' KV tier."""
     host: str = option("127.0.0.1", "Address the master, its metadata server and its metrics bind to. The store has "
-                     "no authentication of its own: keep it on loopback or a private network.")
+                       "no authentication of its own: keep it on loopback or a private network.")
     port: int = option(50051, "The master's RPC port; its HTTP metadata server listens on the next port and its "
-                     "metrics on the one after. Workers name it as --kv-store-address HOST:PORT.")
+                       "metrics on the one after. Workers name it as --kv-store-address HOST:PORT.")
     gib: float = option(4.0, "GiB of memory the store holds (mounted by this process, so a worker that exits "
-                      "takes no blocks with it); the master evicts least recently used blocks past 90%.")
+                        "takes no blocks with it); the master evicts least recently used blocks past 90%.")
     log_level: str = option("info", "Log level.", choices=("debug", "info", "warning", "error"))
 
     def __post_init__(self):

@@ -159,25 +159,6 @@ static inline __attribute__((always_inline)) void groups_dot(int base, int rows,
   }
 }
 
-/* Chunks of about CHUNK_GROUPS groups, the same number per thread, so two threads' shares
- * differ by one group at most (chunks of exactly CHUNK_GROUPS split a 576-row weight, 36
- * groups, 20 : 16, and a 64-row one 4 : 0). Each chunk against every activation row, ROWS_MAX
- * at a time. */
-static inline __attribute__((always_inline)) void linear_of(int base, const uint8_t* w, const act_block* a, int64_t M,
-                                                           int64_t N, int64_t blocks, float* out, int64_t ldo,
-                                                           int threads) {
-  const int64_t groups = N / 16, group_bytes = blocks * 16 * block_bytes(base);
-  const int64_t chunks = threads * ((groups + threads * CHUNK_GROUPS - 1) / (threads * CHUNK_GROUPS));
-#pragma omp for schedule(static)
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t g0 = c * groups / chunks, g1 = (c + 1) * groups / chunks;
-    for (int64_t m = 0; m < M; m += ROWS_MAX)
-      for (int64_t g = g0; g < g1; ++g)
-        groups_dot(base, M - m < ROWS_MAX ? (int)(M - m) : ROWS_MAX, w + g * group_bytes, a + m * blocks, blocks,
-                   out + m * ldo + 16 * g, ldo);
-  }
-}
-
 #else
 /* AVX2 (and AVX-512 without VNNI): the same layout read 8 rows at a time. A 256-bit half of
  * register j holds 4 bytes of each of 8 rows (lane r: row r of the half), so vpmaddubsw +
@@ -241,7 +222,19 @@ static inline __attribute__((always_inline)) void half_dot(int base, const uint8
   _mm256_storeu_ps(out, _mm256_add_ps(_mm256_add_ps(even, odd), mins));
 }
 
-/* Chunks as in the VNNI build; each group against each activation row, a half at a time. */
+/* A group of 16 weight rows against one activation row, a half at a time (ROWS_MAX 1). */
+#define ROWS_MAX 1
+static inline __attribute__((always_inline)) void groups_dot(int base, int rows, const uint8_t* g, const act_block* a,
+                                                            int64_t blocks, float* out, int64_t ldo) {
+  (void)rows, (void)ldo;
+  for (int h = 0; h < 2; ++h) half_dot(base, g, h, a, blocks, out + 8 * h);
+}
+#endif
+
+/* Chunks of about CHUNK_GROUPS groups, the same number per thread, so two threads' shares
+ * differ by one group at most (chunks of exactly CHUNK_GROUPS split a 576-row weight, 36
+ * groups, 20 : 16, and a 64-row one 4 : 0). Each chunk against every activation row, ROWS_MAX
+ * at a time. */
 static inline __attribute__((always_inline)) void linear_of(int base, const uint8_t* w, const act_block* a, int64_t M,
                                                            int64_t N, int64_t blocks, float* out, int64_t ldo,
                                                            int threads) {
@@ -250,13 +243,12 @@ static inline __attribute__((always_inline)) void linear_of(int base, const uint
 #pragma omp for schedule(static)
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t g0 = c * groups / chunks, g1 = (c + 1) * groups / chunks;
-    for (int64_t m = 0; m < M; ++m)
+    for (int64_t m = 0; m < M; m += ROWS_MAX)
       for (int64_t g = g0; g < g1; ++g)
-        for (int h = 0; h < 2; ++h)
-          half_dot(base, w + g * group_bytes, h, a + m * blocks, blocks, out + m * ldo + 16 * g + 8 * h);
+        groups_dot(base, M - m < ROWS_MAX ? (int)(M - m) : ROWS_MAX, w + g * group_bytes, a + m * blocks, blocks,
+                   out + m * ldo + 16 * g, ldo);
   }
 }
-#endif
 
 /* x: [M, K] fp32; w: N / 16 interleaved groups of ``base`` (N a multiple of 16); out: [M, ldo],
  * columns 0..N-1. */

@@ -25,10 +25,10 @@ class PlanConfig:
     tp: int = option(0, "Tensor-parallel ranks; 0: every device (divided by --pp).")
     pp: int = option(1, "Pipeline stages.")
     data_parallel_attention: bool = option(False, "The --tp ranks split only the routed experts; each keeps "
-                                         "attention, dense layers, shared experts, embedding and head whole and "
-                                         "its own requests' KV (xlserve's --data-parallel-attention).")
+                                           "attention, dense layers, shared experts, embedding and head whole and "
+                                           "its own requests' KV (xlserve's --data-parallel-attention).")
     dtype: str = option("bfloat16", "Format of the weights the checkpoint does not quantize.",
-                      choices=("bfloat16", "float16", "float32"))
+                        choices=("bfloat16", "float16", "float32"))
     kv_dtype: str = option("bfloat16", "KV-cache element type.", choices=("bfloat16", "fp8"))
     max_num_batched_tokens: int = option(8192, "Token budget of one step (sizes the activation peak).")
     max_num_seqs: int = option(256, "Most sequences in one step (sizes the logits).")
