@@ -160,10 +160,11 @@ def test_a_decode_server_streaming_a_line_without_end_fails_at_the_bound_and_the
         assert httpx.get(f"{router}/health").status_code == 200
 
 
-@pytest.mark.parametrize("how", ["chunked", "announced"])
+@pytest.mark.parametrize("how", ["chunked", "announced", "gzip"])
 def test_a_prefill_server_answering_an_oversized_body_fails_at_the_bound_and_the_router_stays_small(how):
-    """An answer read whole is bounded (64 MiB, MAX_BODY_BYTES): past it, or announced past it,
-    the server failed; the router never holds the 65 MiB."""
+    """An answer read whole is bounded (64 MiB, MAX_BODY_BYTES): past it, announced past it, or
+    compressed when the router asked for identity (65 MiB in ~65 KiB of gzip), the server
+    failed; the router never holds the 65 MiB."""
     with replaying("vllm_pd.json", "prefill", 0, None, "--oversized", how) as p, \
             replaying("vllm_pd.json", "decode") as d, \
             running_server("--prefill", f"vllm-pd+{p}", "--decode", f"vllm-pd+{d}", "--log-level", "warning",
@@ -176,5 +177,5 @@ def test_a_prefill_server_answering_an_oversized_body_fails_at_the_bound_and_the
         assert e.value.status_code == 503 and "prefill" in e.value.message  # marked down: the log says why
         assert _peak_rss_mib(pid) - before < (96 if how == "chunked" else 16)
         assert httpx.get(f"{router}/health").status_code == 200
-        with pytest.raises(httpx.ReadError, match="over|announced"):  # the synchronous reads (startup, rendering)
+        with pytest.raises(httpx.ReadError, match="over|announced|encoded"):  # the synchronous reads
             fetch("POST", f"{p}/v1/chat/completions", json={})

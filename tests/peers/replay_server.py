@@ -8,17 +8,18 @@ sent (GET /_received), and answers the recorded body or event stream.
 
 ``--fail N``: the first N generation requests get a 500 (a server that breaks after the prefill).
 ``--endless-line``: a stream whose first event never ends its line (a server gone wrong).
-``--oversized chunked|announced``: a JSON answer of 65 MiB, sent in chunks or with its length
-announced first (a server gone wrong).
+``--oversized chunked|announced|gzip``: a JSON answer of 65 MiB, sent in chunks, with its length
+announced first, or gzip-compressed to ~65 KiB whatever the request accepts (a server gone wrong).
 """
 
 import argparse
 import asyncio
+import gzip
 import json
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 
 def mismatch(expected: dict, got: dict, keys: list[str], forbidden: list[str]) -> str | None:
@@ -87,6 +88,9 @@ def build(recording: dict, role: str, fail: int, endless: bool = False, oversize
                                            "type": "InternalServerError", "code": 500}}, status_code=500)
         if oversized == "chunked":
             return StreamingResponse(oversized_body(), media_type="application/json")
+        if oversized == "gzip":
+            bomb = gzip.compress(b'{"text": "' + b"x" * OVERSIZED + b'"}')
+            return Response(bomb, media_type="application/json", headers={"content-encoding": "gzip"})
         if oversized == "announced":
             return StreamingResponse(oversized_body(), media_type="application/json",
                                      headers={"content-length": str(OVERSIZED + len('{"text": ""}'))})
@@ -117,7 +121,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--fail", type=int, default=0)
     parser.add_argument("--endless-line", action="store_true")
-    parser.add_argument("--oversized", choices=("chunked", "announced"), default="")
+    parser.add_argument("--oversized", choices=("chunked", "announced", "gzip"), default="")
     args = parser.parse_args()
     with open(args.recording) as f:
         recording = json.load(f)

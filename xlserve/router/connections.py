@@ -28,6 +28,9 @@ from xlserve.router.faults import WorkerFailed
 # The largest answer the router reads whole: a worker's GenerateResult or a foreign server's
 # JSON completion. 32k tokens with 20 top logprobs each are ~32 MB of JSON.
 MAX_BODY_BYTES = 64 * 1024 * 1024
+# The router asks every peer for its answers as they are: a bound on compressed bytes would not
+# bound what they expand to (a gzip body of 64 MiB can inflate a thousandfold).
+IDENTITY = {"Accept-Encoding": "identity"}
 # The extension a request carries when its answer is read as an event stream (by sse_lines,
 # which bounds each line): only such an answer, with status 200 and an event-stream type, is
 # not bounded in length.
@@ -50,16 +53,27 @@ class _BoundedStream(httpx.AsyncByteStream):
         await self.inner.aclose()
 
 
+def _refuse_encoded(response: httpx.Response, request: httpx.Request) -> None:
+    encoding = response.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise httpx.ReadError(f"{request.url} answered {encoding}-encoded (asked for identity)", request=request)
+
+
 class BoundedBodies(httpx.AsyncBaseTransport):
     """httpx's transport, each answer's body bounded to ``max_bytes`` (past it, reading raises
     ``httpx.ReadError``: the peer failed) unless the request carries ``EVENT_STREAM`` and the
-    answer is a 200 event stream."""
+    answer is a 200 event stream; an answer compressed against ``IDENTITY`` is refused."""
 
     def __init__(self, limits: httpx.Limits, max_bytes: int = MAX_BODY_BYTES):
         self.inner, self.max_bytes = httpx.AsyncHTTPTransport(limits=limits), max_bytes
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         response = await self.inner.handle_async_request(request)
+        try:
+            _refuse_encoded(response, request)
+        except httpx.ReadError:
+            await response.aclose()
+            raise
         if (request.extensions.get(EVENT_STREAM) and response.status_code == 200
                 and response.headers.get("content-type", "").startswith("text/event-stream")):
             return response
@@ -78,7 +92,9 @@ class BoundedBodies(httpx.AsyncBaseTransport):
 def fetch(method: str, url: str, max_bytes: int = MAX_BODY_BYTES, **kwargs) -> tuple[int, bytes]:
     """Synchronous ``httpx.request``, its answer bounded as ``BoundedBodies`` bounds one: (status,
     body). For the calls made outside the server's event loop (startup, chat rendering)."""
+    kwargs["headers"] = {**IDENTITY, **(kwargs.get("headers") or {})}
     with httpx.stream(method, url, **kwargs) as response:
+        _refuse_encoded(response, response.request)
         body = bytearray()
         for chunk in response.iter_bytes():
             body += chunk
@@ -88,8 +104,8 @@ def fetch(method: str, url: str, max_bytes: int = MAX_BODY_BYTES, **kwargs) -> t
 
 
 def bounded_client(timeout: httpx.Timeout, limits: httpx.Limits, headers: dict | None = None) -> httpx.AsyncClient:
-    """An ``httpx.AsyncClient`` on ``BoundedBodies``."""
-    return httpx.AsyncClient(timeout=timeout, headers=headers, transport=BoundedBodies(limits))
+    """An ``httpx.AsyncClient`` on ``BoundedBodies``, asking for answers as they are (``IDENTITY``)."""
+    return httpx.AsyncClient(timeout=timeout, headers={**IDENTITY, **(headers or {})}, transport=BoundedBodies(limits))
 
 
 async def open_response(http: httpx.AsyncClient, request: httpx.Request,
