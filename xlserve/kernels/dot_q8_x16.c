@@ -1,11 +1,12 @@
 /* Q4_0, Q4_1 and Q8_0 weights interleaved 16 rows at a time, against 8-bit activations: the
  * layout --int8-activations repacks these formats into (llama.cpp repacks the same way for
- * its fastest CPU kernels), on every build: 16 rows at once with AVX512-VNNI, 8 without. Same scheme as dot_q8.c (llama.cpp's
- * Q8_0 / Q8_1 activation blocks), and the same operations in the same order as ggml's own
- * ggml_vec_dot_q4_0_q8_0 / q4_1_q8_1 / q8_0_q8_0 on x86 (which llama.cpp runs on weights as
- * stored): every output is bit-identical to llama.cpp's (tests/unit/test_ggml_parity.py calls
- * libggml-cpu where the ``peers`` extra is installed), so greedy output parts from llama.cpp's
- * only where the rest of the model computes differently.
+ * its fastest CPU kernels), on every build: 16 rows at once with AVX512-VNNI, 8 without.
+ * Same scheme as dot_q8.c (llama.cpp's Q8_0 / Q8_1 activation blocks), and the same
+ * operations in the same order as ggml's own ggml_vec_dot_q4_0_q8_0 / q4_1_q8_1 / q8_0_q8_0
+ * on x86 (which llama.cpp runs on weights as stored): every output is bit-identical to
+ * llama.cpp's (tests/unit/test_ggml_parity.py calls libggml-cpu where the ``peers`` extra is
+ * installed), so greedy output parts from llama.cpp's only where the rest of the model
+ * computes differently.
  *
  * One 512-bit register holds 4 bytes of each of 16 weight rows (lane r: row r), so one
  * vpdpbusd against 4 activation bytes broadcast adds 4 products to each of 16 rows' lanes.

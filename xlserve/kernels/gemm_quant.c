@@ -273,15 +273,15 @@ typedef void (*regs_fn)(const uint8_t*, int64_t, int, const float*, int64_t, flo
                                       regs_##T##_5, regs_##T##_6, regs_##T##_7, regs_##T##_8};
 #else
 /* AVX2, 16 registers: 1-2 rows against the whole tile, 3-4 against its halves (4 x 2
- * accumulators + 4 weight vectors + 1 activation: 13 registers), 5-8 against one weight row
- * at a time (8 + 4 + 1), so a dequantized block serves every row of the pass where a third row
- * used to cost the buffer's path. */
-#define WIDE_ROWS 8
+ * accumulators + 4 weight vectors + 1 activation: 13 registers), 5-7 (REGS_PATH_ROWS) against
+ * one weight row at a time (7 + 4 + 1), so a dequantized block serves every row of the pass
+ * where a third row used to cost the buffer's path. */
+#define WIDE_ROWS REGS_PATH_ROWS
 #define REGS_TYPE_BY(MICRO, FIVE_NW, T)                                                                  \
   MICRO(T, 1, NR) MICRO(T, 2, NR) MICRO(T, 3, NR / 2) MICRO(T, 4, NR / 2)                                \
-  MICRO(T, 5, 1) MICRO(T, 6, 1) MICRO(T, 7, 1) MICRO(T, 8, 1)                                            \
-  static const regs_fn REGS_##T[9] = {0, regs_##T##_1, regs_##T##_2, regs_##T##_3, regs_##T##_4,         \
-                                      regs_##T##_5, regs_##T##_6, regs_##T##_7, regs_##T##_8};
+  MICRO(T, 5, 1) MICRO(T, 6, 1) MICRO(T, 7, 1)                                                           \
+  static const regs_fn REGS_##T[8] = {0, regs_##T##_1, regs_##T##_2, regs_##T##_3, regs_##T##_4,         \
+                                      regs_##T##_5, regs_##T##_6, regs_##T##_7};
 #endif
 #define REGS_TYPE(T) REGS_TYPE_BY(REGS_MICRO, NR / 2, T)
 #define REGS_TYPE_SCALES_AHEAD(T) REGS_TYPE_BY(SCALES_AHEAD_MICRO, NR, T)
@@ -397,7 +397,8 @@ static void regs_tile(int type, const uint8_t* w, int64_t row_bytes, int bytes, 
     const regs_fn fn = regs_for(type, mr);
     const int width = pass_width(type, mr);
     for (int r = 0; r < rows; r += width)
-      fn(w + r * row_bytes, row_bytes, bytes, x + m * K, K, out + m * ldo + r, ldo, rows - r < width ? rows - r : width);
+      fn(w + r * row_bytes, row_bytes, bytes, x + m * K, K, out + m * ldo + r, ldo,
+         rows - r < width ? rows - r : width);
   }
 }
 

@@ -227,7 +227,7 @@ def set_activation_bits(model: torch.nn.Module, eight_bit: bool, dtype: torch.dt
         return
     if eight_bit:
         interleave16(layer_weights(model))
-    elif not eight_bit and dtype == torch.bfloat16 and lib.xl_tile_order_ready():
+    elif dtype == torch.bfloat16 and lib.xl_tile_order_ready():
         # K a multiple of 64: the tile kernel takes blocks in pairs
         parts = interleave16(layer_weights(model), k_multiple=64)
         where = "the AMX tiles" if lib.xl_amx_quant_ready() else "their twin in FMAs (the same bits)"

@@ -53,10 +53,16 @@ class _BoundedStream(httpx.AsyncByteStream):
         await self.inner.aclose()
 
 
-def _refuse_encoded(response: httpx.Response, request: httpx.Request) -> None:
+def _refusal(response: httpx.Response, max_bytes: float) -> str | None:
+    """Why an answer is refused before its body is read: compressed against ``IDENTITY``, or
+    announcing more than ``max_bytes``."""
     encoding = response.headers.get("content-encoding", "identity").strip().lower()
     if encoding not in ("", "identity"):
-        raise httpx.ReadError(f"{request.url} answered {encoding}-encoded (asked for identity)", request=request)
+        return f"answered {encoding}-encoded (asked for identity)"
+    length = response.headers.get("content-length", "")
+    if length.isdigit() and int(length) > max_bytes:
+        return f"announced {length} bytes (at most {max_bytes})"
+    return None
 
 
 class BoundedBodies(httpx.AsyncBaseTransport):
@@ -69,19 +75,14 @@ class BoundedBodies(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         response = await self.inner.handle_async_request(request)
-        try:
-            _refuse_encoded(response, request)
-        except httpx.ReadError:
+        event_stream = (request.extensions.get(EVENT_STREAM) and response.status_code == 200
+                        and response.headers.get("content-type", "").startswith("text/event-stream"))
+        refusal = _refusal(response, self.max_bytes if not event_stream else float("inf"))
+        if refusal:
             await response.aclose()
-            raise
-        if (request.extensions.get(EVENT_STREAM) and response.status_code == 200
-                and response.headers.get("content-type", "").startswith("text/event-stream")):
+            raise httpx.ReadError(f"{request.url} {refusal}", request=request)
+        if event_stream:
             return response
-        length = response.headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.max_bytes:
-            await response.aclose()
-            raise httpx.ReadError(f"{request.url} announced {length} bytes (at most {self.max_bytes})",
-                                  request=request)
         response.stream = _BoundedStream(response.stream, request, self.max_bytes)
         return response
 
@@ -94,7 +95,9 @@ def fetch(method: str, url: str, max_bytes: int = MAX_BODY_BYTES, **kwargs) -> t
     body). For the calls made outside the server's event loop (startup, chat rendering)."""
     kwargs["headers"] = {**IDENTITY, **(kwargs.get("headers") or {})}
     with httpx.stream(method, url, **kwargs) as response:
-        _refuse_encoded(response, response.request)
+        refusal = _refusal(response, max_bytes)
+        if refusal:
+            raise httpx.ReadError(f"{url} {refusal}", request=response.request)
         body = bytearray()
         for chunk in response.iter_bytes():
             body += chunk
